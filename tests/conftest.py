@@ -1,0 +1,30 @@
+"""Shared fixtures: a tiny Llama with the real demo tokenizer, the real shared data folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def shared_data_dir() -> Path | None:
+    """``../shared/data`` beside the checkout (or ``$RAY_CLUSTER_FT_SHARED_DATA``), if present."""
+    env = os.environ.get("RAY_CLUSTER_FT_SHARED_DATA")
+    p = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    return p if p.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer, hidden-32 Llama saved with the SmolLM2 tokenizer (chat template included)."""
+    from ray_cluster_ft.model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer():
+    from ray_cluster_ft.model import load_tokenizer
+
+    return load_tokenizer("demo")
