@@ -633,7 +633,8 @@ def train(
     for stale in ("train_log.jsonl", "trained.parquet"):
         (run_dir / stale).unlink(missing_ok=True)
 
-    env = {"TORCH_EXTENSIONS_DIR": str(cache_dir() / "torch_extensions")}
+    # Ray Train's print patch both tees and logs every print of a worker: the progress lines came out twice.
+    env = {"TORCH_EXTENSIONS_DIR": str(cache_dir() / "torch_extensions"), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     if not cfg.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
     datasets = {}

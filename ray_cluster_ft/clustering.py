@@ -1,0 +1,320 @@
+"""Spherical k-means on gradient sketches (DESIGN.md "Cluster").
+
+The driver groups examples by the direction of their gradient sketch: two examples whose sketches point the
+same way teach the model the same thing. Clustering follows CluSTER (Kim et al., EMNLP 2026, arXiv 2609.12584:
+clustering of gradient features) with spherical k-means (Dhillon & Modha, "Concept decompositions for
+large sparse text data using clustering", Machine Learning 2001): rows are L2-normalised, so the Euclidean
+k-means of scikit-learn on the unit sphere ranks points by cosine, and the centroids are renormalised afterwards.
+
+Everything here is a pure, deterministic function of its inputs and seed (no global state).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = [
+    "MINIBATCH_THRESHOLD",
+    "ClusterResult",
+    "auto_k",
+    "spherical_kmeans",
+    "merge_small_clusters",
+    "cluster_sketches",
+]
+
+MINIBATCH_THRESHOLD = 50_000
+"""Above this many rows :func:`spherical_kmeans` uses ``MiniBatchKMeans`` (full Lloyd passes over 10^6 rows
+cost minutes on a few cores; mini-batches keep the fit near-linear with a small constant)."""
+
+_AUTO_K_MAX = 100
+_RESTART_ROWS = 10_000
+_INIT_ROWS = 16_384  # rows sampled for the k-means++ initialisation
+_CHUNK_ROWS = 65_536  # rows per block when scoring against centroids: bounds the (rows x k) temporary
+
+
+@dataclass(frozen=True)
+class ClusterResult:
+    """The clustering of N sketches.
+
+    Attributes:
+        labels: int32 (N,), cluster of each row, contiguous 0..k-1, every cluster non-empty.
+        dist: float32 (N,), cosine distance ``1 - cos(x_i, centroid[labels[i]])`` in [0, 2].
+        centroids: float32 (k, d), unit-norm centroids (the renormalised mean of each cluster's unit rows).
+        k: number of clusters after merging (``centroids.shape[0]``).
+        n_merged_clusters: clusters smaller than ``min_cluster_size`` (or empty) that were dissolved into
+            their nearest surviving centroids.
+    """
+
+    labels: np.ndarray
+    dist: np.ndarray
+    centroids: np.ndarray
+    k: int
+    n_merged_clusters: int
+
+
+def auto_k(n: int, world_size: int) -> int:
+    """The ``clustering.k: auto`` rule.
+
+    ``k = min(n, max(2 * world_size, min(100, round(sqrt(n / 10)))))``
+
+    - ``sqrt(n / 10)`` grows slowly with the data: 10 clusters at 10^3 examples, 32 at 10^4, 100 at 10^5;
+    - capped at 100, the order the anchors use (about 100 clusters for 10^5-10^6 examples, DESIGN.md);
+    - at least ``2 * world_size``, so every optimizer step can draw its ``world_size`` micro-batches from
+      distinct clusters with room to spare (with k == world_size every cluster would have to appear in every
+      step, which forces equal cluster sizes);
+    - never above ``n`` (k-means cannot have more clusters than points).
+
+    Args:
+        n: number of examples (>= 1).
+        world_size: data-parallel ranks (>= 1).
+
+    Raises:
+        ValueError: ``n < 1`` or ``world_size < 1``.
+    """
+    if int(n) != n or n < 1:
+        raise ValueError(f"auto_k: n must be a positive integer, got {n!r}")
+    if int(world_size) != world_size or world_size < 1:
+        raise ValueError(f"auto_k: world_size must be a positive integer, got {world_size!r}")
+    k = min(_AUTO_K_MAX, int(round(math.sqrt(n / 10.0))))
+    return int(min(int(n), max(2 * int(world_size), k)))
+
+
+def _as_matrix(x, name: str = "x") -> np.ndarray:
+    """float32 C-contiguous (N, d) copy-if-needed of ``x``, validated."""
+    arr = np.asarray(x)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array (N, d), got shape {arr.shape}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name} is empty: shape {arr.shape}")
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{name} must be numeric, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    finite = np.isfinite(arr).all(axis=1)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        raise ValueError(f"{name} has NaN or inf in {bad.size} rows (first: row {int(bad[0])})")
+    return arr
+
+
+def _normalise_rows(x: np.ndarray, name: str = "x") -> np.ndarray:
+    """Rows divided by their L2 norm (float32). A zero row has no direction, so it is an error.
+
+    Rows already of unit norm come back as the same array (no copy: at 10^6 x 256 a copy is 1 GiB)."""
+    norms = np.linalg.norm(x, axis=1)
+    if x.dtype == np.float32 and np.all(np.abs(norms - 1.0) <= 1e-6):
+        return x
+    zero = norms <= np.finfo(np.float32).tiny
+    if zero.any():
+        bad = np.flatnonzero(zero)
+        raise ValueError(
+            f"{name} has {bad.size} all-zero rows (first: row {int(bad[0])}); a zero sketch has no direction "
+            f"to cluster by (was the example's loss masked out entirely?)"
+        )
+    return (x / norms[:, None]).astype(np.float32, copy=False)
+
+
+def _centroids_of(xn: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unit-norm mean direction of each cluster and the cluster sizes.
+
+    Returns (centroids float32 (k, d), sizes int64 (k,)); an empty cluster gets a zero row.
+    """
+    n = xn.shape[0]
+    onehot = sp.csr_matrix((np.ones(n, dtype=np.float32), (labels, np.arange(n))), shape=(k, n))
+    sums = np.asarray(onehot @ xn, dtype=np.float32)
+    sizes = np.bincount(labels, minlength=k).astype(np.int64)
+    norms = np.linalg.norm(sums, axis=1)
+    # A cluster of antipodal points has a zero mean: fall back to its first member's direction.
+    degenerate = (sizes > 0) & (norms <= 1e-12)
+    if degenerate.any():
+        first = np.full(k, -1, dtype=np.int64)
+        order = np.argsort(labels, kind="stable")
+        starts = np.searchsorted(labels[order], np.arange(k))
+        first[degenerate] = order[starts[degenerate]]
+        sums[degenerate] = xn[first[degenerate]]
+        norms[degenerate] = 1.0
+    safe = np.where(norms > 0, norms, 1.0)
+    return (sums / safe[:, None]).astype(np.float32), sizes
+
+
+def _own_distance(xn: np.ndarray, labels: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """``1 - cos(x_i, centroid[labels[i]])`` for unit rows, float32 (N,), clipped to [0, 2]."""
+    out = np.empty(xn.shape[0], dtype=np.float32)
+    for lo in range(0, xn.shape[0], _CHUNK_ROWS):
+        hi = min(lo + _CHUNK_ROWS, xn.shape[0])
+        cos = np.einsum("ij,ij->i", xn[lo:hi], centroids[labels[lo:hi]])
+        out[lo:hi] = 1.0 - cos
+    return np.clip(out, 0.0, 2.0)
+
+
+def spherical_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Spherical k-means: k-means on L2-normalised rows, centroids renormalised to unit length.
+
+    Uses scikit-learn ``KMeans`` (k-means++ init, Lloyd) up to :data:`MINIBATCH_THRESHOLD` rows and
+    ``MiniBatchKMeans`` (batch 4096, stop after 10 batches without improvement) above it. k-means++
+    (Arthur & Vassilvitskii 2007) seeds on a sample of at most 16k rows; 3 restarts (lowest inertia kept) up
+    to 10^4 rows, 1 above. The returned centroids are the renormalised means of each cluster's unit rows
+    (for Lloyd at convergence this equals the renormalised sklearn centre; for mini-batch it corrects the
+    centres' running-average drift). Deterministic for a given ``seed`` and thread count.
+
+    Args:
+        x: (N, d) real array (cast to float32); rows need not be normalised but must be non-zero and finite.
+        k: clusters, 1 <= k <= N.
+        seed: random state for the initialisation.
+
+    Returns:
+        labels int32 (N,) in 0..k-1; dist float32 (N,) = 1 - cosine to the own centroid; centroids float32
+        (k, d) with unit rows. A cluster can come back empty only when x has fewer than k distinct
+        directions; its centroid row is then sklearn's (renormalised) centre.
+
+    Raises:
+        ValueError: x not 2-D, empty, non-numeric, with NaN/inf or all-zero rows; k < 1 or k > N.
+    """
+    from sklearn.cluster import KMeans, MiniBatchKMeans, kmeans_plusplus
+    from sklearn.exceptions import ConvergenceWarning
+
+    arr = _as_matrix(x)
+    n = arr.shape[0]
+    if isinstance(k, bool) or int(k) != k:
+        raise ValueError(f"k must be an integer, got {k!r}")
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if k > n:
+        raise ValueError(f"k={k} clusters is more than the {n} rows to cluster")
+    xn = _normalise_rows(arr)
+
+    # k-means++ seeds come from a float64 sample: sklearn's own initialisation on float32 rows goes through a
+    # slow chunked upcast (about a minute at 5 x 10^4 rows, far more than the Lloyd iterations after it).
+    # Restarts are cheap up to 10^4 rows and buy stability there; above, one start is as good in practice.
+    rng = np.random.default_rng(seed)
+    sample = np.sort(rng.choice(n, size=min(n, max(_INIT_ROWS, 4 * k)), replace=False))
+    x_init = xn[sample].astype(np.float64)
+    n_init = 3 if n <= _RESTART_ROWS else 1
+    model = None
+    with warnings.catch_warnings():
+        # Fewer distinct points than k: sklearn warns and leaves clusters empty; merge_small_clusters handles it.
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        for restart in range(n_init):
+            init, _ = kmeans_plusplus(x_init, k, random_state=seed + restart)
+            init = init.astype(np.float32)
+            if n > MINIBATCH_THRESHOLD:
+                fit = MiniBatchKMeans(
+                    n_clusters=k, init=init, n_init=1, batch_size=4096, max_no_improvement=10,
+                    random_state=seed, compute_labels=True,
+                ).fit(xn)
+            else:
+                fit = KMeans(n_clusters=k, init=init, n_init=1, random_state=seed, algorithm="lloyd").fit(xn)
+            if model is None or fit.inertia_ < model.inertia_:
+                model = fit
+    labels = model.labels_.astype(np.int32)
+
+    centroids, sizes = _centroids_of(xn, labels, k)
+    empty = sizes == 0
+    if empty.any():
+        centres = np.asarray(model.cluster_centers_, dtype=np.float32)[empty]
+        norms = np.linalg.norm(centres, axis=1, keepdims=True)
+        centroids[empty] = centres / np.where(norms > 0, norms, 1.0)
+    dist = _own_distance(xn, labels, centroids)
+    return labels, dist, centroids
+
+
+def _nearest_centroid(xn: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """Index of the most cosine-similar centroid for each unit row (chunked), int64 (N,)."""
+    out = np.empty(xn.shape[0], dtype=np.int64)
+    for lo in range(0, xn.shape[0], _CHUNK_ROWS):
+        hi = min(lo + _CHUNK_ROWS, xn.shape[0])
+        out[lo:hi] = np.argmax(xn[lo:hi] @ centroids.T, axis=1)
+    return out
+
+
+def merge_small_clusters(x, labels, centroids, min_size: int) -> tuple[np.ndarray, int]:
+    """Dissolve clusters with fewer than ``min_size`` members and relabel to contiguous 0..k'-1.
+
+    Each member of a dissolved cluster moves to its most cosine-similar surviving centroid (point-wise, so a
+    small cluster straddling two big ones is split sensibly). Surviving clusters keep their relative order.
+    If no cluster reaches ``min_size``, the largest (lowest index on ties) survives alone.
+
+    Args:
+        x: (N, d) sketches (normalised internally).
+        labels: int (N,) in 0..k-1.
+        centroids: (k, d) centroids (normalised internally).
+        min_size: smallest allowed cluster size (>= 1); ``1`` only removes empty clusters.
+
+    Returns:
+        (labels int32 (N,) contiguous 0..k'-1, number of dissolved clusters including empty ones).
+
+    Raises:
+        ValueError: shape mismatches, labels outside 0..k-1, ``min_size < 1``.
+    """
+    xn = _normalise_rows(_as_matrix(x))
+    cent = _as_matrix(centroids, "centroids")
+    lab = np.asarray(labels)
+    if lab.ndim != 1 or lab.shape[0] != xn.shape[0]:
+        raise ValueError(f"labels must have shape ({xn.shape[0]},), got {lab.shape}")
+    if not np.issubdtype(lab.dtype, np.integer):
+        raise ValueError(f"labels must be integers, got dtype {lab.dtype}")
+    if cent.shape[1] != xn.shape[1]:
+        raise ValueError(f"centroids have dimension {cent.shape[1]}, sketches {xn.shape[1]}")
+    k = cent.shape[0]
+    if lab.min() < 0 or lab.max() >= k:
+        raise ValueError(f"labels must be in 0..{k - 1}, got range {lab.min()}..{lab.max()}")
+    if int(min_size) != min_size or min_size < 1:
+        raise ValueError(f"min_size must be a positive integer, got {min_size!r}")
+
+    sizes = np.bincount(lab, minlength=k)
+    keep = sizes >= min_size
+    if not keep.any():
+        keep[int(np.argmax(sizes))] = True
+    n_merged = int(k - keep.sum())
+    kept_ids = np.flatnonzero(keep)
+    new_id = np.full(k, -1, dtype=np.int64)
+    new_id[kept_ids] = np.arange(kept_ids.size)
+    out = new_id[lab]
+    moving = out < 0
+    if moving.any():
+        cn = cent[kept_ids]
+        cn = cn / np.maximum(np.linalg.norm(cn, axis=1, keepdims=True), 1e-12)
+        out[moving] = _nearest_centroid(xn[moving], cn)
+    return out.astype(np.int32), n_merged
+
+
+def cluster_sketches(
+    x,
+    k: Union[int, Literal["auto"]] = "auto",
+    world_size: int = 1,
+    seed: int = 0,
+    min_cluster_size: int = 2,
+) -> ClusterResult:
+    """The Cluster stage: spherical k-means, then small clusters merged, centroids and distances recomputed.
+
+    Args:
+        x: (N, d) sketches (float; normalised internally).
+        k: clusters, or ``"auto"`` for :func:`auto_k` ``(N, world_size)``.
+        world_size: data-parallel ranks (only used by the ``auto`` rule).
+        seed: k-means initialisation seed.
+        min_cluster_size: clusters below this size are dissolved (see :func:`merge_small_clusters`).
+
+    Returns:
+        :class:`ClusterResult` with contiguous labels and distances to the final (post-merge) centroids.
+
+    Raises:
+        ValueError: as :func:`spherical_kmeans` and :func:`merge_small_clusters`; ``k`` neither int nor "auto".
+    """
+    if isinstance(k, str) and k != "auto":
+        raise ValueError(f"k must be a positive integer or 'auto', got {k!r}")
+    xn = _normalise_rows(_as_matrix(x))  # once: the calls below reuse these unit rows without copying
+    if k == "auto":
+        k = auto_k(xn.shape[0], world_size)
+    labels, _, centroids = spherical_kmeans(xn, k, seed)
+    labels, n_merged = merge_small_clusters(xn, labels, centroids, min_cluster_size)
+    k_final = int(labels.max()) + 1
+    if n_merged:
+        centroids, _ = _centroids_of(xn, labels, k_final)
+    dist = _own_distance(xn, labels, centroids)
+    return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=k_final, n_merged_clusters=n_merged)

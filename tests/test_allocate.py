@@ -1,0 +1,352 @@
+"""The allocation plan: hard rules, balance goals and metrics (ray_cluster_ft.allocate)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from ray_cluster_ft.allocate import PLAN_COLUMNS, check_plan, make_plan, plan_metrics
+
+
+def _ids(n):
+    return np.array([f"ex{i:06d}" for i in range(n)])
+
+
+def _synthetic(n, k, seed=0, lo=8, hi=600):
+    rng = np.random.default_rng(seed)
+    return _ids(n), rng.integers(0, k, n), rng.integers(lo, hi, n)
+
+
+def _rules_hold(res, ids, clusters, n_tokens, w, b, g, epochs):
+    """Every hard rule of the plan, asserted from the frame alone."""
+    plan = res.plan
+    assert list(plan.columns) == PLAN_COLUMNS
+    check_plan(plan, w, b, g)
+    unit = w * b * g
+    n = len(ids)
+    kept = n - (n % unit)
+    assert len(res.dropped) == n % unit < unit
+    assert res.n_requested == n
+    assert len(plan) == kept * epochs
+    mb = plan.groupby(["rank", "step", "micro_index"]).size()
+    assert (mb == b).all()
+    assert set(mb.groupby(level="rank").size()) == {kept * epochs // (w * b)}
+    kept_ids = set(ids) - set(res.dropped)
+    assert len(kept_ids) == kept and set(res.dropped) <= set(ids)
+    steps_per_epoch = kept // unit
+    for e in range(epochs):
+        part = plan[plan["epoch"] == e]
+        assert part["example_id"].is_unique and set(part["example_id"]) == kept_ids
+        assert part["step"].min() == e * steps_per_epoch and part["step"].max() == (e + 1) * steps_per_epoch - 1
+    # The iterator order: rank, epoch, step, micro_index.
+    keys = plan[["rank", "epoch", "step", "micro_index"]].to_numpy()
+    assert (np.diff(keys @ np.array([10**12, 10**9, 10**3, 1])) >= 0).all()
+    # Rows carry the input's cluster and length.
+    ref = pd.DataFrame({"example_id": ids, "c": clusters, "t": n_tokens}).set_index("example_id")
+    joined = ref.loc[plan["example_id"]]
+    np.testing.assert_array_equal(joined["c"].to_numpy(), plan["cluster"].to_numpy())
+    np.testing.assert_array_equal(joined["t"].to_numpy(), plan["n_tokens"].to_numpy())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cluster_sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    w=st.integers(1, 8),
+    b=st.integers(1, 8),
+    g=st.integers(1, 4),
+    epochs=st.integers(1, 2),
+    strategy=st.sampled_from(["cluster", "random"]),
+    seed=st.integers(0, 2**16),
+)
+def test_plan_properties(cluster_sizes, w, b, g, epochs, strategy, seed):
+    rng = np.random.default_rng(seed)
+    clusters = rng.permutation(np.repeat(np.arange(len(cluster_sizes)), cluster_sizes))
+    n = clusters.size
+    ids = _ids(n)
+    n_tokens = rng.integers(1, 2000, n)
+    if n < w * b * g:
+        with pytest.raises(ValueError, match="no micro-batch"):
+            make_plan(ids, clusters, n_tokens, w, b, g, epochs, strategy, seed)
+        return
+    res = make_plan(ids, clusters, n_tokens, w, b, g, epochs, strategy, seed)
+    _rules_hold(res, ids, clusters, n_tokens, w, b, g, epochs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mbs_per_cluster=st.lists(st.integers(1, 10), min_size=1, max_size=12),
+    w=st.integers(1, 8),
+    b=st.integers(1, 4),
+    g=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_collision_free_whenever_possible(mbs_per_cluster, w, b, g, seed):
+    # Pure micro-batches only (sizes multiple of B, no pooling): a collision-free plan exists iff no cluster
+    # has more micro-batches than there are slots (W micro-batches each); the plan must then find one.
+    clusters = np.repeat(np.arange(len(mbs_per_cluster)), np.asarray(mbs_per_cluster) * b)
+    n = clusters.size
+    assume(n >= w * b * g)
+    rng = np.random.default_rng(seed)
+    n_tokens = rng.integers(1, 3000, n)
+    res = make_plan(_ids(n), clusters, n_tokens, w, b, g, strategy="cluster", seed=seed, pad_tolerance=1.0)
+    per_cluster = res.plan.groupby("cluster").size() // b
+    n_slots = len(res.plan) // (w * b)
+    m = plan_metrics(res.plan, w)
+    assert m["single_cluster_fraction"] == 1.0
+    # Unavoidable collisions only: a cluster fits once per slot, every extra micro-batch is one collision.
+    floor = int(np.maximum(per_cluster.to_numpy() - n_slots, 0).sum())
+    assert round(m["collisions_per_step"] * m["steps"]) == floor
+
+
+@pytest.mark.parametrize("strategy", ["cluster", "random"])
+def test_awkward_sizes(strategy):
+    ids, clusters, n_tokens = _synthetic(103, 5)
+    res = make_plan(ids, clusters, n_tokens, world_size=2, micro_batch_size=4, strategy=strategy)
+    assert len(res.plan) == 96 and len(res.dropped) == 7
+    assert res.plan.groupby("rank").size().tolist() == [48, 48]  # 12 micro-batches of 4 each
+    _rules_hold(res, ids, clusters, n_tokens, 2, 4, 1, 1)
+
+
+def test_drops_leftovers_that_cannot_fill_a_cluster_micro_batch():
+    # Four clusters of 5 with micro-batches of 4: each cluster leaves one example over; W=2 keeps 16.
+    ids = _ids(20)
+    clusters = np.repeat(np.arange(4), 5)
+    n_tokens = np.tile([100, 101, 102, 103, 200], 4)  # inside each cluster: four alike and one long
+    res = make_plan(ids, clusters, n_tokens, world_size=2, micro_batch_size=4)
+    dropped = np.isin(ids, res.dropped)
+    assert dropped.sum() == 4
+    assert sorted(clusters[dropped].tolist()) == [0, 1, 2, 3]  # one leftover per cluster
+    assert (n_tokens[dropped] == 200).all()
+    m = plan_metrics(res.plan, 2)
+    assert m["single_cluster_fraction"] == 1.0 and m["collisions_per_step"] == 0.0
+
+
+def test_tight_cluster_stays_collision_free():
+    # W=4, B=2: 8 slots; the long cluster 0 has 8 micro-batches, so it must sit in every slot. A pure
+    # cost-sorted walk would leave it for the end and collide; the tight-cluster rule must not.
+    long = 2000 + 10 * np.repeat(np.arange(8), 2)
+    short = 50 + np.repeat(np.arange(24), 2)
+    n_tokens = np.concatenate([long, short])
+    clusters = np.concatenate([np.zeros(16, int), 1 + np.arange(48) // 8])
+    ids = _ids(64)
+    res = make_plan(ids, clusters, n_tokens, world_size=4, micro_batch_size=2)
+    m = plan_metrics(res.plan, 4)
+    assert m["collisions_per_step"] == 0.0
+    assert m["padding_fraction"] == 0.0
+    per_step = res.plan[res.plan["cluster"] == 0].groupby("step")["rank"].nunique()
+    assert per_step.size == 8 and (per_step == 1).all()
+
+
+def test_cluster_plan_beats_random_on_synthetic_lengths():
+    rng = np.random.default_rng(3)
+    n = 4000
+    clusters = rng.integers(0, 24, n)
+    n_tokens = np.maximum(8, np.exp(rng.normal(5.0, 0.8, n))).astype(int)
+    ids = _ids(n)
+    for w, g in [(4, 1), (8, 2)]:
+        cl = make_plan(ids, clusters, n_tokens, w, 4, g, epochs=2, seed=1)
+        rd = make_plan(ids, clusters, n_tokens, w, 4, g, epochs=2, strategy="random", seed=1)
+        mc, mr = plan_metrics(cl.plan, w), plan_metrics(rd.plan, w)
+        assert mc["collisions_per_step"] == 0.0
+        assert mc["token_imbalance_mean"] <= 1.05 < mr["token_imbalance_mean"]
+        assert mc["padding_fraction"] <= 0.05 < mr["padding_fraction"]
+        assert mc["critical_path_tokens"] <= 0.5 * mr["critical_path_tokens"]
+        assert mc["steps"] == mr["steps"] == 2 * (n // (w * 4 * g))
+
+
+def test_slots_are_shuffled_across_the_epoch():
+    ids, clusters, n_tokens = _synthetic(2000, 10, seed=4)
+    res = make_plan(ids, clusters, n_tokens, 4, 4, epochs=2, seed=0)
+    plan = res.plan
+    steps = plan["step"].max() + 1
+    per_epoch = steps // 2
+    for c in range(10):
+        s = plan[(plan["cluster"] == c) & (plan["epoch"] == 0)]["step"]
+        assert s.min() < 0.2 * per_epoch and s.max() > 0.8 * per_epoch  # visited throughout the epoch
+    # Lengths mixed over the epoch, not sorted: the step loads are uncorrelated with the step index.
+    load = plan[plan["epoch"] == 0].groupby("step")["n_tokens"].max()
+    assert abs(np.corrcoef(load.index, load.to_numpy())[0, 1]) < 0.3
+    # Epochs see different orders of the same examples.
+    e0 = plan[plan["epoch"] == 0]["example_id"].to_numpy()
+    e1 = plan[plan["epoch"] == 1]["example_id"].to_numpy()
+    assert set(e0) == set(e1) and not np.array_equal(e0, e1)
+
+
+@pytest.mark.parametrize("strategy", ["cluster", "random"])
+def test_same_seed_same_plan(strategy):
+    ids, clusters, n_tokens = _synthetic(500, 7, seed=2)
+    a = make_plan(ids, clusters, n_tokens, 3, 4, 2, 2, strategy, seed=11)
+    b = make_plan(ids, clusters, n_tokens, 3, 4, 2, 2, strategy, seed=11)
+    pd.testing.assert_frame_equal(a.plan, b.plan)
+    assert a.plan.equals(b.plan)
+    np.testing.assert_array_equal(a.dropped, b.dropped)
+    bufs = []
+    for res in (a, b):
+        buf = io.BytesIO()
+        res.plan.to_parquet(buf, engine="pyarrow", index=False)
+        bufs.append(buf.getvalue())
+    assert bufs[0] == bufs[1]
+    c = make_plan(ids, clusters, n_tokens, 3, 4, 2, 2, strategy, seed=12)
+    assert not a.plan.equals(c.plan)
+
+
+def test_plan_metrics_known_answer():
+    # One step, W=2, B=2, G=1: rank 0 gets lengths 10 and 10 (cluster 5), rank 1 gets 5 and 3 (cluster 5).
+    plan = pd.DataFrame(
+        {
+            "epoch": [0, 0, 0, 0],
+            "step": [0, 0, 0, 0],
+            "rank": [0, 0, 1, 1],
+            "micro_index": [0, 0, 0, 0],
+            "example_id": ["a", "b", "c", "d"],
+            "cluster": [5, 5, 5, 7],
+            "n_tokens": [10, 10, 3, 5],
+        }
+    )
+    m = plan_metrics(plan, 2)
+    assert m["token_imbalance_mean"] == pytest.approx(20 / 15)
+    assert m["token_imbalance_max"] == pytest.approx(20 / 15)
+    assert m["padding_fraction"] == pytest.approx(1 - 28 / 30)
+    assert m["critical_path_tokens"] == 20
+    # Rank 1's tie (5 vs 7) goes to the cluster of its longest example, 7: two distinct clusters, no collision.
+    assert m["collisions_per_step"] == 0.0
+    plan.loc[3, "n_tokens"] = 2
+    assert plan_metrics(plan, 2)["collisions_per_step"] == 1.0
+    assert m["steps"] == 1 and m["micro_batches_per_rank"] == 1
+    assert m["single_cluster_fraction"] == 0.5
+
+
+def test_majority_rule_matches_brute_force():
+    from ray_cluster_ft.allocate import _majority
+
+    rng = np.random.default_rng(0)
+    for b in (1, 2, 3, 4, 7):
+        keys = rng.integers(0, 4, (500, b))
+        expect = []
+        for row in keys:
+            vals, cnt = np.unique(row, return_counts=True)
+            top = set(vals[cnt == cnt.max()].tolist())
+            expect.append([v for v in row.tolist() if v in top][-1])  # tie: the one that occurs last
+        np.testing.assert_array_equal(_majority(keys), expect)
+
+
+def test_check_plan_errors():
+    ids, clusters, n_tokens = _synthetic(103, 5)
+    plan = make_plan(ids, clusters, n_tokens, 2, 4).plan
+    last = plan[(plan["rank"] == 1) & (plan["step"] == plan["step"].max())].index
+    uneven = r"uneven plan: rank 1 has 11 micro-batches, rank 0 has 12; uneven counts hang"
+    with pytest.raises(ValueError, match=uneven):
+        check_plan(plan.drop(last), 2, 4, 1)
+    with pytest.raises(ValueError, match="rank 2 has no micro-batches"):
+        check_plan(plan, 3, 4, 1)
+    with pytest.raises(ValueError, match="has 3 rows, expected micro_batch_size=4"):
+        check_plan(plan.drop(plan.index[0]), 2, 4, 1)
+    with pytest.raises(ValueError, match="outside"):
+        check_plan(plan.assign(rank=plan["rank"] + 1), 2, 4, 1)
+    with pytest.raises(ValueError, match="micro_index"):
+        check_plan(plan, 2, 4, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n=7, w=2, b=4), "no micro-batch"),
+        (dict(w=0), "world_size"),
+        (dict(b=0), "micro_batch_size"),
+        (dict(g=0), "grad_accum"),
+        (dict(epochs=0), "epochs"),
+        (dict(strategy="greedy"), "strategy"),
+        (dict(mismatch=True), "length mismatch"),
+        (dict(dup=True), "duplicate"),
+        (dict(zero_tokens=True), "n_tokens"),
+    ],
+)
+def test_make_plan_errors(kwargs, match):
+    n = kwargs.get("n", 40)
+    ids, clusters, n_tokens = _synthetic(n, 3)
+    if kwargs.get("mismatch"):
+        clusters = clusters[:-1]
+    if kwargs.get("dup"):
+        ids[3] = ids[4]
+    if kwargs.get("zero_tokens"):
+        n_tokens[5] = 0
+    with pytest.raises(ValueError, match=match):
+        make_plan(
+            ids, clusters, n_tokens, kwargs.get("w", 2), kwargs.get("b", 4), kwargs.get("g", 1),
+            kwargs.get("epochs", 1), kwargs.get("strategy", "cluster"),
+        )
+
+
+# --- real token lengths ----------------------------------------------------------------------------------------
+
+
+def _shared_data() -> Path:
+    return Path(os.environ.get("RAY_CLUSTER_FT_SHARED_DATA", Path(__file__).parents[2] / "shared" / "data"))
+
+
+@pytest.fixture(scope="module")
+def real_selection():
+    """31% of a seeded 6,000-row mix of the three data files, random labels k=32, real token lengths."""
+    root = _shared_data()
+    files = sorted(root.glob("*.jsonl")) if root.is_dir() else []
+    if not files:
+        pytest.skip(f"real data not found at {root} (set RAY_CLUSTER_FT_SHARED_DATA)")
+    rows = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            rows.extend(json.loads(line) for line in fh if line.strip())
+    rng = np.random.default_rng(0)
+    sample = rng.choice(len(rows), size=6000, replace=False)
+    labels = rng.integers(0, 32, 6000)
+    chosen = np.sort(rng.choice(6000, size=round(0.31 * 6000), replace=False))
+    from ray_cluster_ft.model import load_tokenizer
+
+    tok = load_tokenizer("demo")
+    texts = [rows[sample[i]]["question"] + "\n" + rows[sample[i]]["answer"] for i in chosen]
+    n_tokens = np.array([len(t) for t in tok(texts, return_attention_mask=False)["input_ids"]])
+    ids = np.array([rows[sample[i]]["id"] for i in chosen])
+    return ids, labels[chosen], n_tokens
+
+
+def _sorted_cost_reference(plan: pd.DataFrame, world_size: int) -> float:
+    """Mean per-step max/mean of the plan's own micro-batches regrouped W at a time in sorted cost order,
+    ignoring clusters: what grad_accum=1 can reach at best with these micro-batches."""
+    mb = plan.groupby(["step", "rank", "micro_index"])["n_tokens"].agg(["size", "max"])
+    cost = np.sort((mb["size"] * mb["max"]).to_numpy()).reshape(-1, world_size)
+    return float((cost.max(axis=1) / cost.mean(axis=1)).mean())
+
+
+@pytest.mark.parametrize("max_seq_len", [None, 2048])
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_real_lengths_cluster_plan_vs_random(real_selection, world_size, max_seq_len):
+    ids, labels, n_tokens = real_selection
+    if max_seq_len is not None:  # what data.overlong='truncate' hands the allocator
+        n_tokens = np.minimum(n_tokens, max_seq_len)
+    cl = make_plan(ids, labels, n_tokens, world_size, 4, seed=0)
+    rd = make_plan(ids, labels, n_tokens, world_size, 4, strategy="random", seed=0)
+    mc, mr = plan_metrics(cl.plan, world_size), plan_metrics(rd.plan, world_size)
+    cp_ratio = mc["critical_path_tokens"] / mr["critical_path_tokens"]
+    reference = _sorted_cost_reference(cl.plan, world_size)
+    print(
+        f"\nW={world_size} max_seq_len={max_seq_len} cluster {json.dumps(mc)}\n"
+        f"W={world_size} max_seq_len={max_seq_len} random  {json.dumps(mr)}\n"
+        f"critical-path ratio {cp_ratio:.3f}; sorted-cost reference imbalance {reference:.4f}"
+    )
+    assert mc["collisions_per_step"] == 0.0
+    assert mc["padding_fraction"] <= 0.05
+    assert cp_ratio <= 0.35
+    # Goal 1.05; with one 5,402-token example and 8 ranks, even sorted regrouping of the micro-batches
+    # cannot reach it at grad_accum=1, so the bar is then that reference (plus 1%).
+    assert mc["token_imbalance_mean"] <= max(1.05, reference + 0.01)
+    if max_seq_len is not None or world_size == 4:
+        assert mc["token_imbalance_mean"] <= 1.05
+    assert mr["padding_fraction"] > 0.3  # real lengths: a random split wastes a large share on padding
+    assert mr["token_imbalance_mean"] > 1.3
