@@ -45,10 +45,10 @@ def _versions() -> dict:
     import torch
     import transformers
 
-    from . import __version__
+    from importlib.metadata import version
 
     return {
-        "ray_cluster_ft": __version__,
+        "ray_cluster_ft": version("ray-cluster-ft"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ray": ray.__version__,
