@@ -12,37 +12,9 @@ from collections import defaultdict
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["pad_batch", "heldout_loss", "evaluate_model_path"]
+from .train import pad_micro_batch
 
-
-def pad_batch(input_ids: list, labels: list, pad_token_id: int = 0) -> dict:
-    """Right-pad ragged sequences into tensors.
-
-    Args:
-        input_ids: B sequences of token ids (lists or int arrays).
-        labels: B sequences, same lengths, -100 where no loss is taken.
-        pad_token_id: id written into padding positions (masked out by ``attention_mask``).
-
-    Returns:
-        ``{"input_ids": int64 (B, T), "attention_mask": int64 (B, T), "labels": int64 (B, T)}`` with
-        T the longest sequence; labels are -100 on padding.
-    """
-    import torch
-
-    lens = [len(x) for x in input_ids]
-    if not lens:
-        raise ValueError("pad_batch: empty batch")
-    T = max(lens)
-    ids = torch.full((len(lens), T), pad_token_id, dtype=torch.long)
-    lab = torch.full((len(lens), T), -100, dtype=torch.long)
-    mask = torch.zeros((len(lens), T), dtype=torch.long)
-    for i, (x, y) in enumerate(zip(input_ids, labels)):
-        if len(y) != len(x):
-            raise ValueError(f"pad_batch: row {i} has {len(x)} input ids but {len(y)} labels")
-        ids[i, : len(x)] = torch.as_tensor(np.asarray(x, dtype=np.int64))
-        lab[i, : len(y)] = torch.as_tensor(np.asarray(y, dtype=np.int64))
-        mask[i, : len(x)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": lab}
+__all__ = ["heldout_loss", "evaluate_model_path"]
 
 
 def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: int = 0) -> dict:
@@ -74,8 +46,8 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
     with torch.no_grad():
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            b = pad_batch([ids[i] for i in idx], [labels[i] for i in idx], pad_token_id)
-            b = {k: v.to(device) for k, v in b.items()}
+            b = pad_micro_batch([ids[i] for i in idx], [labels[i] for i in idx], pad_token_id)
+            b = {k: torch.from_numpy(v).to(device) for k, v in b.items()}
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
             tgt = b["labels"][:, 1:]
             lp = torch.nn.functional.cross_entropy(
