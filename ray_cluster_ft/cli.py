@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="job spec, e.g. jobs/demo.yaml")
     run.add_argument("--output", help="run directory (overrides output.dir)")
     run.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
+    run.add_argument("--plan-only", action="store_true",
+                     help="stop after the allocation plan: data, sketches, clusters, selection and plan only")
     demo = sub.add_parser("demo", help="run the built-in demo (SmolLM2-135M on HumanEval + MMLU medical)")
     demo.add_argument("--output", help="run directory (default runs/demo)")
     demo.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, overrides)
         from .pipeline import run_pipeline
 
-        manifest = run_pipeline(cfg, address=args.address)
+        manifest = run_pipeline(cfg, address=args.address, plan_only=getattr(args, "plan_only", False))
     except (ConfigError, FileNotFoundError) as err:
         print(f"ray-cluster-ft: error: {err}", file=sys.stderr)
         return 2

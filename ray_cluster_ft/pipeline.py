@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -114,12 +116,14 @@ def verify_trained(plan: pd.DataFrame, trained: pd.DataFrame) -> dict:
     }
 
 
-def run_pipeline(cfg: JobConfig, address: str | None = None) -> dict:
+def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = False) -> dict:
     """Run the whole job and return the manifest (also written to ``<output.dir>/manifest.json``).
 
     Args:
         cfg: the validated job config.
         address: a Ray cluster to join (``ray://`` or ``auto``); default ``$RAY_ADDRESS`` or a new local Ray.
+        plan_only: stop after the allocation plan (no evaluation, no training); the manifest then has
+            ``train: null`` and ``counts.trained == 0``.
 
     Raises:
         ConfigError: the config is impossible for the accepted data (before any Ray work).
@@ -173,6 +177,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None) -> dict:
 
             with timer.stage("sketch"):
                 sketch_dir = run_dir / "sketches"
+                # write_parquet adds files to a folder: a re-run into the same run directory starts clean
+                shutil.rmtree(sketch_dir, ignore_errors=True)
                 ds = ray.data.from_arrow(data.train.select(["example_id", "input_ids", "labels", "n_tokens"]))
                 compute_sketches(ds, model_path, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
                                  trust_remote_code=cfg.model.trust_remote_code, pad_token_id=pad_id)
@@ -208,24 +214,26 @@ def run_pipeline(cfg: JobConfig, address: str | None = None) -> dict:
 
         # ---- allocate
         with timer.stage("allocate"):
-            pres = allocate.make_plan(ids[sel_idx], labels[sel_idx], n_tokens[sel_idx], W,
-                                      cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.epochs,
-                                      strategy=cfg.allocation.strategy, seed=cfg.allocation.seed)
+            plan_for = partial(allocate.make_plan, ids[sel_idx], labels[sel_idx], n_tokens[sel_idx], W,
+                               cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.epochs,
+                               seed=cfg.allocation.seed)
+            pres = plan_for(strategy=cfg.allocation.strategy)
             plan = pres.plan
             plan.to_parquet(run_dir / "plan.parquet", index=False)
-            kept = set(plan["example_id"])
-            keep_mask = np.array([i in kept for i in ids[sel_idx]])
+            keep_mask = np.isin(ids[sel_idx], plan["example_id"].unique())
             pq.write_table(pa.table({"example_id": ids[sel_idx][keep_mask],
                                      "cluster": labels[sel_idx][keep_mask].astype(np.int32),
                                      "reason": np.asarray(sres.reasons)[keep_mask]}), run_dir / "selection.parquet")
             metrics = {cfg.allocation.strategy: allocate.plan_metrics(plan, W)}
+            baseline = None
             if cfg.allocation.strategy != "random":
-                baseline = allocate.make_plan(ids[sel_idx], labels[sel_idx], n_tokens[sel_idx], W,
-                                              cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.epochs,
-                                              strategy="random", seed=cfg.allocation.seed).plan
+                baseline = plan_for(strategy="random").plan
                 metrics["random (baseline)"] = allocate.plan_metrics(baseline, W)
             manifest["plan_metrics"] = metrics
             print(f"[ray-cluster-ft] plan: {json.dumps(metrics, default=float)}", flush=True)
+        if plan_only:
+            return _finish(manifest, timer, t_start, run_dir, cfg, data, reasons, requested, pres, plan, baseline,
+                           labels if need_sketch else None, sel_idx, None, {}, {})
 
         # ---- evaluate before
         with timer.stage("evaluate_before"):
@@ -252,33 +260,41 @@ def run_pipeline(cfg: JobConfig, address: str | None = None) -> dict:
 
             ray.shutdown()
 
-    trained = pd.read_parquet(run_dir / "trained.parquet")
-    check = verify_trained(plan, trained)
+    return _finish(manifest, timer, t_start, run_dir, cfg, data, reasons, requested, pres, plan, baseline,
+                   labels if need_sketch else None, sel_idx, tres, eval_before, eval_after)
+
+
+def _finish(manifest, timer, t_start, run_dir, cfg, data, reasons, requested, pres, plan, baseline, labels,
+            sel_idx, tres, eval_before, eval_after) -> dict:
+    """Counts, checks, manifest and report; raises when the trained log does not match the plan."""
+    if tres is not None:
+        check = verify_trained(plan, pd.read_parquet(run_dir / "trained.parquet"))
+    else:
+        check = {"matches_plan": None, "once_per_epoch": None, "distinct_trained": 0, "mismatched_ranks": []}
+    n_train, n_eval = data.train.num_rows, data.eval.num_rows
     n_sel = int(plan["example_id"].nunique())
     dropped = len(pres.dropped)
-    n_eval = data.eval.num_rows
-    counts = {
-        "read": data.n_read,
-        "accepted": n_train + n_eval,
-        "rejected": len(data.rejected),
-        "held_out": n_eval,
-        "candidates": n_train,
-        "selected": n_sel,
-        "not_selected": n_train + n_eval - n_sel,
-        "not_selected_breakdown": {"held_out": n_eval, "below_budget": n_train - requested
-                                   if cfg.selection.strategy != "full" else 0,
-                                   "dropped_for_even_plan": dropped},
-        "trained": check["distinct_trained"],
-        "truncated": data.truncated,
-        "rejected_by_reason": reasons,
-    }
     manifest.update(
-        counts=counts,
+        counts={
+            "read": data.n_read,
+            "accepted": n_train + n_eval,
+            "rejected": len(data.rejected),
+            "held_out": n_eval,
+            "candidates": n_train,
+            "selected": n_sel,
+            "not_selected": n_train + n_eval - n_sel,
+            "not_selected_breakdown": {"held_out": n_eval, "below_budget": n_train - int(requested),
+                                       "dropped_for_even_plan": dropped},
+            "trained": check["distinct_trained"],
+            "truncated": data.truncated,
+            "rejected_by_reason": reasons,
+        },
         budget={"requested": int(requested), "planned": n_sel, "rounded_down_by": dropped},
         checks=check,
         eval={"before": eval_before, "after": eval_after},
-        train={"steps": tres.steps, "seconds": tres.seconds, "final_loss": tres.final_loss,
-               "final_model": str(tres.final_model_dir) if tres.final_model_dir else None},
+        train=None if tres is None else {
+            "steps": tres.steps, "seconds": tres.seconds, "final_loss": tres.final_loss,
+            "final_model": str(tres.final_model_dir) if tres.final_model_dir else None},
         seeds={"data": cfg.data.seed, "sketch": cfg.sketch.seed, "clustering": cfg.clustering.seed,
                "selection": cfg.selection.seed, "allocation": cfg.allocation.seed, "train": cfg.train.seed},
         versions=_versions(),
@@ -289,7 +305,7 @@ def run_pipeline(cfg: JobConfig, address: str | None = None) -> dict:
 
     from .report import write_report
 
-    write_report(run_dir, manifest, plan, labels if need_sketch else None, sel_idx)
-    if not check["matches_plan"] or not check["once_per_epoch"]:
+    write_report(run_dir, manifest, plan, labels, sel_idx)
+    if tres is not None and not (check["matches_plan"] and check["once_per_epoch"]):
         raise RuntimeError(f"trained log does not match the plan: {check}")
     return manifest

@@ -11,10 +11,8 @@ from ray_cluster_ft.pipeline import run_pipeline, verify_trained
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_model_dir):
-    out = tmp_path_factory.mktemp("run")
-    cfg = parse_config({
+def _config(tiny_model_dir, out):
+    return parse_config({
         "data": {"source": "demo", "limit": 24, "max_seq_len": 256, "eval_fraction": 0.15, "max_eval": 8},
         "model": {"path": str(tiny_model_dir)},
         "sketch": {"last_blocks": 1, "k_in": 4, "k_out": 4, "dim": 32, "batch_size": 8},
@@ -25,8 +23,12 @@ def run(tmp_path_factory, tiny_model_dir):
                   "lr": 1e-3},
         "output": {"dir": str(out)},
     })
-    manifest = run_pipeline(cfg)
-    return out, manifest
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_dir):
+    out = tmp_path_factory.mktemp("run")
+    return out, run_pipeline(_config(tiny_model_dir, out))
 
 
 def test_artifacts_written(run):
@@ -85,3 +87,11 @@ def test_verify_trained_catches_a_swap():
     repeated = plan.copy()
     repeated.loc[1, "example_id"] = "a"
     assert not verify_trained(plan, repeated)["once_per_epoch"]
+
+
+def test_plan_only_rerun_gives_identical_selection_and_plan(run, tmp_path, tiny_model_dir):
+    out, _ = run
+    m = run_pipeline(_config(tiny_model_dir, tmp_path), plan_only=True)
+    assert m["train"] is None and m["counts"]["trained"] == 0 and not (tmp_path / "trained.parquet").exists()
+    for name in ("selection.parquet", "plan.parquet", "clusters.parquet"):
+        assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
