@@ -9,6 +9,7 @@ budget above 1) fail here too; those that need the accepted-example count fail i
 from __future__ import annotations
 
 import difflib
+import reprlib
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -178,6 +179,13 @@ def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(cls.model_fields)
 
 
+# A hostile YAML file can alias one node many times (a "billion laughs"); a plain repr of the offending value
+# would expand every alias, so error messages show a bounded repr.
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlevel = 3
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -190,7 +198,7 @@ def _format_errors(err: ValidationError) -> str:
             lines.append(f"unknown key '{key}'{hint} (valid here: {', '.join(valid)})")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{key}: {msg} (got {e.get('input')!r})")
+            lines.append(f"{key}: {msg} (got {_REPR.repr(e.get('input'))})")
     return "invalid job config:\n  " + "\n  ".join(lines)
 
 
@@ -233,14 +241,19 @@ def load_config(path: str | Path, overrides: dict | None = None) -> JobConfig:
         raw = yaml.safe_load(p.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ConfigError(f"job config {p} is not valid YAML: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"job config {p} is not valid YAML: nested too deeply") from None
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
-        raise ConfigError(f"invalid job config: {p} must hold a mapping of sections")
+        raise ConfigError(f"invalid job config: {p} must hold a mapping of sections, got {type(raw).__name__}")
     for dotted, value in (overrides or {}).items():
         node = raw
         *parents, leaf = dotted.split(".")
-        for part in parents:
+        for i, part in enumerate(parents):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                where = ".".join(parents[: i + 1])
+                raise ConfigError(f"cannot set '{dotted}': '{where}' in {p} is a {type(node).__name__}, not a mapping")
         node[leaf] = value
     return parse_config(raw)
 

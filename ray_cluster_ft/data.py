@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -25,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .config import DataConfig
+from .config import ConfigError, DataConfig
 
 __all__ = [
     "EXAMPLE_SCHEMA",
@@ -70,14 +71,23 @@ class Rejection:
     row: Any = None
 
     def to_json(self) -> str:
+        """One line of ``rejected.jsonl``; never raises, and the text always encodes as UTF-8."""
         row = self.row
         if isinstance(row, bytes):
             row = row.decode("utf-8", errors="replace")
-        return json.dumps(
-            {"source": self.source, "position": self.position, "reason": self.reason, "row": row},
-            ensure_ascii=False,
-            default=str,
-        )
+        rec = {"source": self.source, "position": self.position, "reason": self.reason, "row": row}
+        try:
+            text = json.dumps(rec, ensure_ascii=False, default=str)
+            text.encode("utf-8")
+            return text
+        except (UnicodeEncodeError, ValueError, RecursionError):
+            # Lone surrogates cannot be written as UTF-8 and hostile rows may nest deeply: escape, then
+            # fall back to the row's (bounded) repr so the rejection itself is never lost.
+            try:
+                return json.dumps(rec, ensure_ascii=True, default=str)
+            except (ValueError, RecursionError):
+                rec["row"] = reprlib.repr(row)
+                return json.dumps(rec, ensure_ascii=True)
 
 
 @dataclass
@@ -174,13 +184,16 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
     """Rows of one JSONL or Parquet file, as ``(source, position, row_or_Rejection)``.
 
     A JSONL line that is not valid UTF-8 or not valid JSON, or that is not a JSON object, yields a
-    :class:`Rejection` instead of a row; blank lines are skipped. Positions are 1-based line numbers for JSONL
-    and 0-based row indices for Parquet.
+    :class:`Rejection` instead of a row (so does a line nested too deeply or holding an integer too long for
+    Python to parse); blank lines are skipped and a UTF-8 byte-order mark on line 1 is dropped. Positions are
+    1-based line numbers for JSONL and 0-based row indices for Parquet. Parquet rows are returned as dicts
+    whatever their column types; :func:`canonicalize` judges them.
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: the extension is neither ``.jsonl``/``.json``/``.jsonl.gz`` nor ``.parquet``, or the
-            Parquet file cannot be read.
+        ConfigError (a ``ValueError``, so ``ray-cluster-ft run`` prints it as one line): the extension is
+            neither ``.jsonl``/``.json``/``.ndjson``/``.jsonl.gz`` nor ``.parquet``, or the file cannot be read
+            as a whole (corrupt Parquet, corrupt or truncated gzip); the message names the file.
     """
     p = Path(path)
     if not p.is_file():
@@ -189,57 +202,111 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
     name = p.name.lower()
     count = 0
     if name.endswith(".parquet"):
-        try:
-            pf = pq.ParquetFile(p)
-        except Exception as err:  # pyarrow raises several types for a corrupt file
-            raise ValueError(f"cannot read Parquet file {p}: {err}") from None
-        pos = 0
-        for batch in pf.iter_batches(batch_size=4096):
-            for row in batch.to_pylist():
-                if limit is not None and count >= limit:
-                    return
-                yield src, pos, row
-                pos += 1
-                count += 1
+        yield from _iter_parquet_rows(p, limit)
         return
     if not name.endswith((".jsonl", ".json", ".jsonl.gz", ".ndjson")):
-        raise ValueError(f"unsupported data file type: {p} (use .jsonl or .parquet)")
+        raise ConfigError(f"unsupported data file type: {p} (use .jsonl or .parquet)")
     opener = gzip.open if name.endswith(".gz") else open
-    with opener(p, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            if limit is not None and count >= limit:
+    try:
+        with opener(p, "rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]  # a UTF-8 byte-order mark (spreadsheet exports) is not part of the row
+                if not raw.strip():
+                    continue
+                if limit is not None and count >= limit:
+                    return
+                count += 1
+                yield src, lineno, _parse_jsonl_line(src, lineno, raw)
+    except (OSError, EOFError, gzip.BadGzipFile) as err:
+        # A truncated or corrupt gzip stream is a broken file, not a bad row: there is no next line to read.
+        raise ConfigError(f"cannot read data file {p}: {err}") from None
+
+
+def _parse_jsonl_line(src: str, lineno: int, raw: bytes) -> Any:
+    """One non-blank JSONL line -> a dict row, or a :class:`Rejection` with the reason."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return Rejection(src, lineno, f"bad encoding: not valid UTF-8 ({err.reason} at byte {err.start})", raw[:2000])
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as err:
+        return Rejection(src, lineno, f"malformed JSON: {err.msg} (column {err.colno})", text[:2000])
+    except RecursionError:
+        return Rejection(src, lineno, "malformed JSON: nested too deeply", text[:2000])
+    except ValueError as err:  # e.g. an integer literal above Python's 4,300-digit limit
+        return Rejection(src, lineno, f"malformed JSON: {err}", text[:2000])
+    if not isinstance(row, dict):
+        return Rejection(src, lineno, f"not a JSON object: {_JSON_TYPES.get(type(row), type(row).__name__)}", row)
+    return row
+
+
+_JSON_TYPES = {str: "string", list: "array", type(None): "null", int: "number", float: "number", bool: "boolean"}
+
+
+def _iter_parquet_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, Any]]:
+    """Rows of a Parquet file as dicts, 0-based positions. Per-row problems (wrong column types, nulls) are
+    left to :func:`canonicalize`; a file that cannot be decoded raises ``ConfigError`` (a ``ValueError``)
+    naming it."""
+    src = str(p)
+    try:
+        pf = pq.ParquetFile(p)
+    except Exception as err:  # pyarrow raises several types for a corrupt file
+        raise ConfigError(f"cannot read Parquet file {p}: {err}") from None
+    pos = 0
+    batches = pf.iter_batches(batch_size=4096)
+    while True:
+        try:
+            batch = next(batches, None)
+            rows = None if batch is None else batch.to_pylist()
+        except Exception as err:  # corrupt pages surface only while reading
+            raise ConfigError(f"cannot read Parquet file {p} after row {pos}: {err}") from None
+        if rows is None:
+            return
+        for row in rows:
+            if limit is not None and pos >= limit:
                 return
-            count += 1
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield src, lineno, Rejection(src, lineno, f"bad encoding: not valid UTF-8 ({err.reason})", raw[:2000])
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as err:
-                yield src, lineno, Rejection(src, lineno, f"malformed JSON: {err.msg}", text[:2000])
-                continue
-            if not isinstance(row, dict):
-                yield src, lineno, Rejection(src, lineno, f"not a JSON object: {type(row).__name__}", row)
-                continue
-            yield src, lineno, row
+            yield src, pos, row
+            pos += 1
 
 
 # --------------------------------------------------------------------------- canonical rows
 
 
+def _check_text(v: str, what: str) -> None:
+    """Reject text the tokenizer cannot encode: a lone UTF-16 surrogate (``"\\ud800"`` in JSON) is legal JSON
+    but not a Unicode scalar, and would crash the tokenizer and the content hash."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = v[err.start]
+        raise ValueError(f"invalid Unicode in {what}: lone surrogate {bad!r} at character {err.start}") from None
+
+
 def _nonempty_str(row: dict, key: str) -> str:
-    v = row.get(key)
-    if v is None:
+    if key not in row:
         raise ValueError(f"missing field '{key}'")
+    v = row[key]
+    if v is None:
+        raise ValueError(f"field '{key}' is null")
     if not isinstance(v, str):
         raise ValueError(f"field '{key}' is {type(v).__name__}, expected a string")
     if not v.strip():
         raise ValueError(f"empty {key}")
+    _check_text(v, f"'{key}'")
     return v
+
+
+def _present(row: dict, *keys: str) -> bool:
+    """Whether any of ``keys`` holds a value; a null counts as absent so that a Parquet file mixing formats
+    (null ``prompt`` beside a filled ``question``) reads each row in the format it uses."""
+    return any(row.get(k) is not None for k in keys)
+
+
+def _short(v: Any, n: int = 60) -> str:
+    r = repr(v) if not isinstance(v, (dict, list)) else type(v).__name__
+    return r if len(r) <= n else r[: n - 3] + "..."
 
 
 def canonicalize(row: Any) -> list[dict[str, str]]:
@@ -265,10 +332,11 @@ def canonicalize(row: Any) -> list[dict[str, str]]:
             if not isinstance(m, dict):
                 raise ValueError(f"messages[{i}] is {type(m).__name__}, expected an object")
             role, content = m.get("role"), m.get("content")
-            if role not in ("system", "user", "assistant"):
-                raise ValueError(f"messages[{i}].role is {role!r}, expected system/user/assistant")
+            if not isinstance(role, str) or role not in ("system", "user", "assistant"):
+                raise ValueError(f"messages[{i}].role is {_short(role)}, expected system/user/assistant")
             if not isinstance(content, str):
                 raise ValueError(f"messages[{i}].content is {type(content).__name__}, expected a string")
+            _check_text(content, f"messages[{i}].content")
             out.append({"role": role, "content": content})
         if out[-1]["role"] != "assistant":
             raise ValueError("the last message is not the assistant's response")
@@ -277,9 +345,11 @@ def canonicalize(row: Any) -> list[dict[str, str]]:
         if not any(m["role"] == "user" and m["content"].strip() for m in out[:-1]):
             raise ValueError("empty prompt: no user message before the response")
         return out
-    if "prompt" in row or "response" in row:
+    if _present(row, "prompt", "response") or not _present(row, "question", "answer") and (
+        "prompt" in row or "response" in row
+    ):
         prompt, response = _nonempty_str(row, "prompt"), _nonempty_str(row, "response")
-    elif "question" in row or "answer" in row:
+    elif _present(row, "question", "answer") or "question" in row or "answer" in row:
         prompt, response = _nonempty_str(row, "question"), _nonempty_str(row, "answer")
     else:
         raise ValueError("missing field: need 'messages', 'prompt'+'response' or 'question'+'answer'")
@@ -337,6 +407,21 @@ def tokenize_rows(
     return out
 
 
+def _tokenize_guarded(messages, tokenizer, max_seq_len: int, overlong: str) -> list:
+    """:func:`tokenize_rows` on a chunk; if the tokenizer fails on the chunk, retry row by row so only the
+    offending rows are rejected (with the tokenizer's message) and the rest of the chunk is kept."""
+    try:
+        return tokenize_rows(messages, tokenizer, max_seq_len, overlong)
+    except Exception:  # noqa: BLE001 - third-party tokenizers raise arbitrary types on hostile text
+        out = []
+        for m in messages:
+            try:
+                out.extend(tokenize_rows([m], tokenizer, max_seq_len, overlong))
+            except Exception as err:  # noqa: BLE001
+                out.append(f"tokenizer error: {type(err).__name__}: {str(err)[:200]}")
+        return out
+
+
 def _held_out(ids: list[str], domains: list[str], fraction: float, cap: int, seed: int) -> np.ndarray:
     """Boolean mask of held-out rows: per domain a seeded share ``fraction``, at most ``cap`` in all."""
     mask = np.zeros(len(ids), dtype=bool)
@@ -367,7 +452,9 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         A :class:`DataResult`; ``n_read == len(train) + len(eval) + len(rejected)`` always holds.
 
     Raises:
-        FileNotFoundError / ValueError: a data file is missing or not readable as a whole.
+        FileNotFoundError: a data file is missing (checked before any row is read).
+        ConfigError: a data file has an unsupported type or is not readable as a whole (see
+            :func:`iter_file_rows`). Bad rows never raise: they are rejected.
     """
     if cfg.source == "demo":
         rows: Iterable = iter_demo_rows(cfg.limit, cfg.seed)
@@ -394,7 +481,7 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         nonlocal truncated
         if not pending:
             return
-        toks = tokenize_rows([p[3] for p in pending], tokenizer, cfg.max_seq_len, cfg.overlong)
+        toks = _tokenize_guarded([p[3] for p in pending], tokenizer, cfg.max_seq_len, cfg.overlong)
         for (src, pos, row, _msgs, source, domain), tok in zip(pending, toks):
             if isinstance(tok, str):
                 rejected.append(Rejection(src, pos, tok, row))

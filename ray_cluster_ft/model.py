@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -95,20 +96,54 @@ def convert_demo_model(dest: Path | None = None) -> Path:
     return dest
 
 
+# A Hugging Face hub id: "name" or "owner/name", word characters, '.', '-', at most 96 characters.
+_HUB_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9_.-]{1,96}(/[A-Za-z0-9_.-]{1,96})?$")
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
 def resolve_model_path(path: str) -> str:
     """Map a ``model.path`` config value to something ``from_pretrained`` loads: ``demo`` becomes the
-    converted demo folder; a local folder must exist; anything else is passed on as a hub id.
+    converted demo folder; a local folder must exist and hold ``config.json``; anything else must be a
+    well-formed hub id, and when the hub is offline (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``) it must
+    already be in the local Hugging Face cache. Never touches the network.
 
     Raises:
-        FileNotFoundError: ``path`` looks local (starts with ``/``, ``.`` or ``~``) but is not a folder.
+        FileNotFoundError: ``path`` is empty; looks local (starts with ``/``, ``.`` or ``~``, or has more than
+            one ``/``) but is not a folder; is a folder without ``config.json``; is not a valid hub id; or is a
+            hub id that is not cached while the hub is offline. The message names ``model.path`` and the value.
     """
+    if not isinstance(path, str) or not path.strip():
+        raise FileNotFoundError(f"model.path is empty (got {path!r}); use 'demo', a local model folder or a hub id")
     if path == DEMO_MODEL:
         return str(convert_demo_model())
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            raise FileNotFoundError(
+                f"model.path '{path}' is a folder without config.json: not a Hugging Face model folder"
+            )
         return expanded
+    if os.path.exists(expanded):
+        raise FileNotFoundError(f"model.path '{path}' is a file, not a model folder")
     if path.startswith(("/", ".", "~")) or os.sep in path.strip("/").split("/", 1)[-1]:
         raise FileNotFoundError(f"model.path '{path}' is not a folder")
+    if not _HUB_ID.match(path):
+        raise FileNotFoundError(
+            f"model.path '{path}' is neither a local folder nor a valid Hugging Face hub id (owner/name)"
+        )
+    if _hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+        if not isinstance(cached, str):
+            raise FileNotFoundError(
+                f"model.path '{path}' is not a local folder, and the hub id is not in the local Hugging Face "
+                f"cache while the hub is offline (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set)"
+            )
     return path
 
 

@@ -21,7 +21,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .config import JobConfig, budget_count, check_against_data
+from .config import ConfigError, JobConfig, budget_count, check_against_data
 
 __all__ = ["run_pipeline", "verify_trained"]
 
@@ -141,8 +141,13 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
 
     # ---- data (before Ray: a bad config or data fails fast)
     with timer.stage("data"):
-        model_path = resolve_model_path(cfg.model.path)
-        tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        try:
+            model_path = resolve_model_path(cfg.model.path)
+            tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        except OSError as err:  # transformers' error for an unknown hub id or an unreadable folder
+            if isinstance(err, FileNotFoundError):
+                raise
+            raise ConfigError(f"model.path {cfg.model.path!r} cannot be loaded: {err}") from None
         pad_id = int(tok.pad_token_id)
         data = load_examples(cfg.data, tok)
         pq.write_table(data.train, run_dir / "examples.parquet")

@@ -1,0 +1,138 @@
+"""Fuzz tests (hypothesis) over the readers and the config loader (issue 8).
+
+Properties: any byte string written as a JSONL file, and any JSON value written as a row, gives accepted rows
+or counted rejections (``n_read == accepted + rejected``), never another exception; any mapping or YAML text
+gives a :class:`JobConfig` or a :class:`ConfigError`, never another exception.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ray_cluster_ft.config import ConfigError, DataConfig, JobConfig, load_config, parse_config
+from ray_cluster_ft.data import canonicalize, example_id, load_examples
+
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                         HealthCheck.too_slow])
+
+# Text that includes lone surrogates, control characters and the chat template's special tokens.
+TEXT = st.one_of(
+    st.text(st.characters(blacklist_categories=()), max_size=20),
+    st.sampled_from(["", " ", "\n", "<|im_end|>", "<|im_start|>assistant\n", "\x00", "\ud800", "héllo", "user"]),
+)
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), TEXT)
+JSON = st.recursive(SCALARS, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(TEXT, kids, max_size=3),
+                    max_leaves=10)
+ROW_KEYS = st.sampled_from(["prompt", "response", "question", "answer", "messages", "domain", "source", "text"])
+MESSAGE = st.fixed_dictionaries({}, optional={
+    "role": st.one_of(st.sampled_from(["system", "user", "assistant", "robot", ""]), JSON),
+    "content": st.one_of(TEXT, JSON),
+})
+ROW = st.one_of(
+    JSON,
+    st.fixed_dictionaries({"prompt": TEXT, "response": TEXT}, optional={"domain": JSON, "source": JSON}),
+    st.fixed_dictionaries({"question": st.one_of(TEXT, JSON), "answer": st.one_of(TEXT, JSON)}),
+    st.dictionaries(ROW_KEYS, st.one_of(TEXT, JSON), max_size=4),
+    st.fixed_dictionaries({"messages": st.one_of(st.lists(st.one_of(MESSAGE, JSON), max_size=4), JSON)}),
+)
+
+
+@pytest.fixture(scope="module")
+def tok(demo_tokenizer):
+    """The real demo tokenizer (``load_tokenizer('demo')``), loaded once per session by conftest."""
+    return demo_tokenizer
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def _expected_rows(data: bytes) -> int:
+    """Non-blank lines, as a binary file iterator splits them (on b'\\n'); a BOM on line 1 is not content."""
+    lines = data.split(b"\n")
+    if lines and lines[0].startswith(b"\xef\xbb\xbf"):
+        lines[0] = lines[0][3:]
+    return sum(1 for line in lines if line.strip())
+
+
+def _load(path, tok):
+    return load_examples(DataConfig(source="files", paths=[str(path)], max_seq_len=64, eval_fraction=0.0), tok)
+
+
+@FUZZ
+@given(data=st.one_of(
+    st.binary(max_size=300),
+    st.lists(st.one_of(st.binary(max_size=40), JSON.map(lambda v: json.dumps(v).encode())), max_size=6)
+    .map(b"\n".join),
+))
+def test_any_bytes_as_jsonl(tok, fuzz_dir, data):
+    f = fuzz_dir / "bytes.jsonl"
+    f.write_bytes(data)
+    res = _load(f, tok)
+    assert res.n_read == _expected_rows(data)
+    assert res.n_read == res.train.num_rows + res.eval.num_rows + len(res.rejected)
+    for r in res.rejected:
+        assert r.reason and r.source == str(f) and 1 <= r.position <= data.count(b"\n") + 1
+        json.loads(r.to_json().encode("utf-8"))
+
+
+@FUZZ
+@given(row=ROW)
+def test_any_json_value_as_row(tok, fuzz_dir, row):
+    f = fuzz_dir / "row.jsonl"
+    f.write_text(json.dumps(row) + "\n", encoding="ascii")  # ensure_ascii: surrogates travel as \ud800 escapes
+    res = _load(f, tok)
+    accepted = res.train.num_rows + res.eval.num_rows
+    assert res.n_read == 1 and accepted + len(res.rejected) == 1
+    try:
+        msgs = canonicalize(row)
+    except ValueError:
+        assert len(res.rejected) == 1  # a row canonicalize refuses is never accepted
+        return
+    if accepted:
+        assert res.train.column("example_id").to_pylist() == [example_id(msgs)]
+    else:  # accepted by canonicalize, refused by tokenization (over 64 tokens or nothing left to learn)
+        assert res.rejected[0].reason.startswith(("over max length", "empty response after tokenization"))
+
+
+SECTION_KEYS = {name: list(f.annotation.model_fields) for name, f in JobConfig.model_fields.items()}
+CONFIG_KEY = st.one_of(st.sampled_from(sorted({k for ks in SECTION_KEYS.values() for k in ks})), TEXT)
+CONFIG = st.dictionaries(
+    st.one_of(st.sampled_from(list(SECTION_KEYS)), TEXT),
+    st.one_of(st.dictionaries(CONFIG_KEY, JSON, max_size=4), JSON),
+    max_size=4,
+)
+
+
+@FUZZ
+@given(raw=st.one_of(CONFIG, JSON))
+def test_any_mapping_as_config(raw):
+    try:
+        cfg = parse_config(raw)
+    except ConfigError as err:
+        assert str(err).startswith("invalid job config")
+        return
+    assert isinstance(cfg, JobConfig)
+
+
+@FUZZ
+@given(text=st.one_of(
+    st.text(max_size=200),
+    CONFIG.map(lambda c: yaml.safe_dump(c, allow_unicode=False)),
+    st.binary(max_size=100).map(lambda b: b.decode("latin-1")),
+))
+def test_any_yaml_as_config(fuzz_dir, text):
+    f = fuzz_dir / "job.yaml"
+    f.write_bytes(text.encode("utf-8", errors="surrogatepass"))
+    try:
+        cfg = load_config(f, {"output.dir": "runs/x"})
+    except ConfigError as err:
+        assert str(err)
+        return
+    assert isinstance(cfg, JobConfig) and cfg.output.dir == "runs/x"
