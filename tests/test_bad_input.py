@@ -1,7 +1,7 @@
 """Bad input and hostile conditions (issue 8): every bad row is rejected with its source position and a
 clear reason, every impossible config fails before Ray with a message naming the values involved.
 
-Each case here is one row of the table in ``docs/bad-input.md``.
+Each case here is one row of the "Bad input" table in the README.
 """
 
 from __future__ import annotations
