@@ -466,7 +466,9 @@ def _train_loop_per_worker(config: dict) -> None:
     done = 0
     cur_epoch = cur_step = None
     step_t0 = step_lr = 0.0
-    acc = np.zeros(3)  # this rank's step sums: loss over micro-batches, real tokens, padded tokens
+    # This rank's step sums (loss over micro-batches, real tokens, padded tokens), kept on the device so the
+    # micro-batch loop never waits for the accelerator; read once per step by the all-reduce.
+    acc = torch.zeros(3, dtype=torch.float64, device=device)
     epoch_losses: list[float] = []
     metrics: dict[str, Any] = {}
     t_train = time.perf_counter()
@@ -489,7 +491,7 @@ def _train_loop_per_worker(config: dict) -> None:
                 cur_epoch, cur_step = epoch, step
                 step_t0 = time.perf_counter()
                 step_lr = float(engine.get_lr()[0])  # the lr this step trains with (the scheduler steps after it)
-                acc[:] = 0
+                acc.zero_()
             mb = {k: torch.from_numpy(v).to(device) for k, v in
                   pad_micro_batch(batch["input_ids"], batch["labels"], config["pad_token_id"]).items()}
             loss = engine(**mb, use_cache=False).loss
@@ -499,10 +501,12 @@ def _train_loop_per_worker(config: dict) -> None:
                 {"rank": rank, "step": step, "micro_index": micro, "epoch": epoch, "example_id": str(e)}
                 for e in batch["example_id"]
             ])
-            acc += (loss.item(), float(mb["attention_mask"].sum()), float(mb["attention_mask"].numel()))
+            acc += torch.stack([loss.detach().double(), mb["attention_mask"].sum().double(),
+                                torch.tensor(float(mb["attention_mask"].numel()), dtype=torch.float64, device=device)])
             done += 1
             if micro == ga - 1:
-                t = torch.tensor([acc[0] / ga, acc[1], acc[2]], dtype=torch.float64, device=device)
+                t = acc.clone()
+                t[0] /= ga
                 dist.all_reduce(t)
                 step_time = time.perf_counter() - step_t0
                 loss_avg, tokens, padded = t[0].item() / world, int(t[1].item()), int(t[2].item())
