@@ -310,7 +310,7 @@ def _finish(manifest, timer, t_start, run_dir, cfg, data, reasons, requested, pr
 
     from .report import write_report
 
-    write_report(run_dir, manifest, plan, labels, sel_idx)
+    write_report(run_dir, manifest, plan, labels, sel_idx, baseline_plan=baseline)
     if tres is not None and not (check["matches_plan"] and check["once_per_epoch"]):
         raise RuntimeError(f"trained log does not match the plan: {check}")
     return manifest

@@ -29,16 +29,80 @@ def _padded_load(plan: pd.DataFrame) -> pd.DataFrame:
     return mb["padded"].groupby(["step", "rank"]).sum().unstack("rank")
 
 
+def _step_figures(plan: pd.DataFrame) -> dict:
+    """Per-step series of one plan (index: optimizer step).
+
+    Returns a dict with ``imbalance`` (max / mean over ranks of the rank's padded tokens in the step),
+    ``collisions`` (sum over micro_index of ranks - distinct majority clusters among the ranks'
+    micro-batches; the majority rule of :func:`ray_cluster_ft.allocate.plan_metrics`), and the scalars
+    ``padding`` (pad / padded tokens) and ``critical_path`` (sum over steps of the slowest rank's padded tokens).
+    """
+    from .allocate import _microbatch_table
+
+    w = int(plan["rank"].nunique())
+    mb = _microbatch_table(plan)
+    load = mb.groupby(["step", "rank"], sort=True)["padded"].sum().groupby(level="step")
+    step_max = load.max()
+    imbalance = step_max / (load.sum() / w)
+    distinct = mb.groupby(["step", "micro_index"], sort=True)["major"].nunique()
+    collisions = (w - distinct).groupby(level="step").sum()
+    return {
+        "imbalance": imbalance,
+        "collisions": collisions,
+        "padding": float(1.0 - mb["real"].sum() / mb["padded"].sum()),
+        "critical_path": float(step_max.sum()),
+    }
+
+
+def _allocation_figure(path: Path, plan: pd.DataFrame, baseline_plan: pd.DataFrame) -> dict:
+    """``allocation.png``: the plan beside the random baseline. Panels: per-step token max/mean across ranks,
+    same-cluster collisions per step, padding fraction, critical-path tokens. Returns both plans' figures."""
+    import matplotlib.pyplot as plt
+
+    figs = {"plan": _step_figures(plan), "random baseline": _step_figures(baseline_plan)}
+    colours = {"plan": "#1f77b4", "random baseline": "#d62728"}
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6))
+    ax = axes[0, 0]
+    for name, f in figs.items():
+        ax.plot(f["imbalance"].index, f["imbalance"].to_numpy(), marker=".", lw=1, color=colours[name], label=name)
+    ax.axhline(1.0, color="#888", lw=0.8, ls=":")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("token max / mean across ranks")
+    ax.legend(fontsize=8)
+    ax = axes[0, 1]
+    for name, f in figs.items():
+        ax.plot(f["collisions"].index, f["collisions"].to_numpy(), marker=".", lw=1, color=colours[name],
+                label=name)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("same-cluster collisions")
+    ax.legend(fontsize=8)
+    names = list(figs)
+    for ax, key, label in ((axes[1, 0], "padding", "padding fraction of tokens"),
+                           (axes[1, 1], "critical_path", "critical-path tokens")):
+        vals = [figs[nm][key] for nm in names]
+        bars = ax.bar(names, vals, color=[colours[nm] for nm in names])
+        ax.bar_label(bars, labels=[f"{v:.3g}" for v in vals], fontsize=8)
+        ax.set_ylabel(label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return figs
+
+
 def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.ndarray | None,
-                 selected_idx: np.ndarray) -> Path:
-    """Write ``report.md`` plus ``clusters.png``, ``load.png`` and ``loss.png`` into ``run_dir``.
+                 selected_idx: np.ndarray, baseline_plan: pd.DataFrame | None = None) -> Path:
+    """Write ``report.md`` plus ``clusters.png``, ``load.png``, ``allocation.png`` and ``loss.png`` into ``run_dir``.
 
     Args:
         run_dir: the run directory (holds ``train_log.jsonl`` when training ran).
         manifest: the run manifest (counts, timings, plan metrics, evaluation).
-        plan: the allocation plan (``rank, step, micro_index, n_tokens`` ...).
+        plan: the allocation plan (``rank, step, micro_index, cluster, n_tokens`` ...).
         labels: cluster of every candidate example (int, (N,)), or None when no clustering ran.
         selected_idx: indices into ``labels`` of the selected examples.
+        baseline_plan: the random allocation of the same selection (``make_plan(..., strategy="random")``),
+            or None. When given, ``allocation.png`` draws the plan and the baseline side by side: per-step
+            token max/mean across ranks, same-cluster collisions per step, padding fraction and
+            critical-path tokens (issue 4); the plan needs a ``cluster`` column for the collisions.
 
     Returns:
         The path of ``report.md``.
@@ -106,6 +170,17 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
     fig.savefig(run_dir / "load.png", dpi=100)
     plt.close(fig)
     lines += ["## Per-rank token load per step (padded tokens)", "", "![load](load.png)", ""]
+
+    if baseline_plan is not None and len(baseline_plan) and "cluster" in plan.columns:
+        figs = _allocation_figure(run_dir / "allocation.png", plan, baseline_plan)
+        rows = [[name, float(f["imbalance"].mean()), float(f["imbalance"].max()), float(f["collisions"].mean()),
+                 f["padding"], f["critical_path"]] for name, f in figs.items()]
+        ratio = figs["plan"]["critical_path"] / figs["random baseline"]["critical_path"]
+        lines += ["## Allocation: plan vs random baseline", "",
+                  _table(["allocation", "max/mean (mean over steps)", "max/mean (worst step)", "collisions per step",
+                          "padding fraction", "critical-path tokens"], rows), "",
+                  f"Critical path of the plan: {ratio:.3f}x the random baseline's.", "",
+                  "![allocation](allocation.png)", ""]
 
     log = run_dir / "train_log.jsonl"
     if log.exists():

@@ -350,3 +350,55 @@ def test_real_lengths_cluster_plan_vs_random(real_selection, world_size, max_seq
         assert mc["token_imbalance_mean"] <= 1.05
     assert mr["padding_fraction"] > 0.3  # real lengths: a random split wastes a large share on padding
     assert mr["token_imbalance_mean"] > 1.3
+
+
+# --- the demo data's real token lengths ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_selection():
+    """31% of the demo data's training rows (max_seq_len 320, the demo tokenizer), random labels k=16."""
+    from ray_cluster_ft.config import DataConfig
+    from ray_cluster_ft.data import load_examples
+    from ray_cluster_ft.model import load_tokenizer
+
+    train = load_examples(DataConfig(source="demo", max_seq_len=320), load_tokenizer("demo")).train
+    n_tokens = np.asarray(train.column("n_tokens").to_numpy(), dtype=np.int64)
+    ids = np.asarray(train.column("example_id").to_pylist())
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 16, ids.size)
+    chosen = np.sort(rng.choice(ids.size, size=round(0.31 * ids.size), replace=False))
+    return ids[chosen], labels[chosen], n_tokens[chosen]
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_demo_lengths_cluster_plan_vs_random(demo_selection, world_size):
+    """Issue 4's goals on the demo data (about 310 selected rows, lengths 72..320 after truncation).
+
+    The 0.35x critical-path goal is out of reach here for any plan: random's padding is only about 32% on
+    these length-capped rows, so even a perfect plan (no padding, equal loads: real tokens / W per step)
+    has 0.53x (W=4) and 0.48x (W=8) of random's critical path. The test bounds the plan against that ideal.
+    With W=8 there are only 9 steps of 8 micro-batches from 16 clusters; keeping the 8 clusters of a step
+    distinct costs balance there (1.22 measured; 1.07 for the same micro-batches regrouped ignoring clusters).
+    """
+    ids, labels, n_tokens = demo_selection
+    cl = make_plan(ids, labels, n_tokens, world_size, 4, seed=0)
+    rd = make_plan(ids, labels, n_tokens, world_size, 4, strategy="random", seed=0)
+    mc, mr = plan_metrics(cl.plan, world_size), plan_metrics(rd.plan, world_size)
+    ideal = cl.plan["n_tokens"].sum() / world_size  # lower bound of any plan's critical path
+    cp_ratio = mc["critical_path_tokens"] / mr["critical_path_tokens"]
+    print(
+        f"\ndemo W={world_size} cluster {json.dumps(mc)}\ndemo W={world_size} random  {json.dumps(mr)}\n"
+        f"critical-path ratio {cp_ratio:.3f}; ideal ratio {ideal / mr['critical_path_tokens']:.3f}; "
+        f"sorted-cost reference imbalance {_sorted_cost_reference(cl.plan, world_size):.4f}"
+    )
+    assert mc["collisions_per_step"] == 0.0
+    assert mc["padding_fraction"] <= 0.05
+    assert mr["padding_fraction"] > 0.25
+    assert mc["critical_path_tokens"] < mr["critical_path_tokens"]
+    if world_size == 4:
+        assert mc["token_imbalance_mean"] <= 1.05
+        assert mc["critical_path_tokens"] <= 1.1 * ideal
+    else:
+        assert mc["token_imbalance_mean"] <= 1.25 < mr["token_imbalance_mean"]
+        assert mc["critical_path_tokens"] <= 1.3 * ideal

@@ -76,7 +76,8 @@ def test_kcenter_picks_far_points():
     assert reasons == ["centroid", "kcenter", "kcenter"]
 
 
-def test_kcenter_matches_plain_traversal():
+def test_kcenter_matches_plain_traversal(monkeypatch):
+    monkeypatch.setattr(sel, "_KCENTER_BLOCK", 1024)  # one block: the plain traversal, pick for pick
     rng = np.random.default_rng(4)
     centres = rng.normal(size=(5, 16))
     x = (centres[rng.integers(0, 5, 600)] + 0.3 * rng.normal(size=(600, 16))).astype(np.float32)
