@@ -464,12 +464,16 @@ def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
     }
 
 
-def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_accum: int = 1) -> None:
+def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_accum: int = 1) -> int:
     """Enforce the hard rules that keep data-parallel training from hanging.
 
     Checks: every rank 0..W-1 present and none outside; the same number of micro-batches on every rank; every
     micro-batch has exactly ``micro_batch_size`` rows; every (rank, step) has micro_index 0..G-1; every step
-    has all ranks.
+    has all ranks; every step lies in one epoch and steps increase with epochs. The trainer runs this on the
+    driver before any worker starts.
+
+    Returns:
+        The number of optimizer steps.
 
     Raises:
         ValueError: naming the offending rank / step / micro-batch, e.g. ``uneven plan: rank 1 has 3
@@ -520,3 +524,11 @@ def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_
             f"step {int(short.index[0])} has micro-batches on {int(short.iloc[0])} of {w} ranks; the others would "
             f"wait forever in the step's collective ops"
         )
+    if "epoch" in plan.columns:
+        epochs_per_step = plan.groupby("step")["epoch"].agg(["nunique", "min"])
+        split = epochs_per_step[epochs_per_step["nunique"] > 1]
+        if len(split):
+            raise ValueError(f"step {int(split.index[0])} spans several epochs; every step must lie in one epoch")
+        if np.any(np.diff(epochs_per_step["min"].to_numpy()) < 0):
+            raise ValueError("plan steps must increase with epochs")
+    return int(ranks_per_step.size)

@@ -33,14 +33,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .allocate import check_plan
 from .config import TrainConfig
 
 __all__ = [
     "TrainResult",
     "deepspeed_config",
     "lr_multiplier",
-    "check_plan_even",
-    "check_plan_structure",
     "build_rank_tables",
     "pad_micro_batch",
     "train",
@@ -169,95 +168,6 @@ def _require_columns(plan: pd.DataFrame, columns: Sequence[str]) -> None:
     missing = [c for c in columns if c not in plan.columns]
     if missing:
         raise ValueError(f"plan is missing columns {missing} (has {list(plan.columns)})")
-
-
-def check_plan_even(plan: pd.DataFrame, world_size: int) -> int:
-    """Check that every rank of ``world_size`` has the same number of micro-batches; return that number.
-
-    A micro-batch is one distinct ``(epoch, step, micro_index)`` of a rank. Uneven counts hang the collective
-    ops of data-parallel training (the rank with fewer steps never joins the next all-reduce; gloo waits for
-    the process-group timeout), so this runs before any worker starts.
-
-    Args:
-        plan: DataFrame with at least ``rank, epoch, step, micro_index`` (integers).
-        world_size: number of data-parallel ranks (>= 1).
-
-    Returns:
-        Micro-batches per rank.
-
-    Raises:
-        ValueError: missing columns, empty plan, a rank outside ``[0, world_size)``, or per-rank counts that
-            differ (the message names every rank and its count).
-    """
-    _require_columns(plan, ["rank", *_KEY])
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if len(plan) == 0:
-        raise ValueError("plan is empty: nothing to train")
-    ranks = plan["rank"].to_numpy()
-    bad = np.unique(ranks[(ranks < 0) | (ranks >= world_size)])
-    if bad.size:
-        raise ValueError(f"plan has ranks {bad.tolist()} outside [0, {world_size}) for world size {world_size}")
-    per_rank = plan.drop_duplicates(["rank", *_KEY]).groupby("rank").size()
-    counts = per_rank.reindex(range(world_size), fill_value=0).to_numpy()
-    if (counts != counts[0]).any():
-        detail = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts))
-        raise ValueError(
-            f"uneven plan: micro-batches per rank differ ({detail}); uneven counts hang the collective ops "
-            f"of data-parallel training"
-        )
-    return int(counts[0])
-
-
-def check_plan_structure(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_accum: int) -> int:
-    """Check everything the workers rely on; return the number of optimizer steps.
-
-    Beyond :func:`check_plan_even`: every micro-batch holds exactly ``micro_batch_size`` rows (workers read
-    their dataset in batches of that size); every rank has the same sequence of ``(epoch, step,
-    micro_index)`` (ranks must reach each optimizer step and each epoch end together); each step has
-    micro-batches ``0 .. grad_accum-1`` (DeepSpeed steps the optimizer after every ``grad_accum``
-    micro-batches) and lies in one epoch; steps increase with epochs.
-
-    Raises:
-        ValueError: any violation, naming the first offending rank / step.
-    """
-    n_micro = check_plan_even(plan, world_size)
-    if micro_batch_size < 1 or grad_accum < 1:
-        raise ValueError(f"micro_batch_size and grad_accum must be >= 1, got {micro_batch_size}, {grad_accum}")
-    sizes = plan.groupby(["rank", *_KEY], sort=True).size()
-    wrong = sizes[sizes != micro_batch_size]
-    if len(wrong):
-        (r, e, s, m), n = wrong.index[0], int(wrong.iloc[0])
-        raise ValueError(
-            f"plan micro-batch (rank {r}, epoch {e}, step {s}, micro_index {m}) has {n} rows, expected "
-            f"micro_batch_size={micro_batch_size} ({len(wrong)} micro-batches are off)"
-        )
-    keys = sizes.index.to_frame(index=False)
-    ref = keys[keys["rank"] == 0][_KEY].to_numpy()
-    for r in range(1, world_size):
-        other = keys[keys["rank"] == r][_KEY].to_numpy()
-        if not np.array_equal(other, ref):
-            raise ValueError(
-                f"plan ranks 0 and {r} do not share the same (epoch, step, micro_index) sequence: every rank must "
-                f"reach each optimizer step together"
-            )
-    if n_micro % grad_accum:
-        raise ValueError(f"{n_micro} micro-batches per rank is not a multiple of grad_accum={grad_accum}")
-    epoch, step, micro = ref[:, 0], ref[:, 1], ref[:, 2]
-    expected_micro = np.tile(np.arange(grad_accum), n_micro // grad_accum)
-    step_first = step[::grad_accum]
-    if (
-        not np.array_equal(micro, expected_micro)
-        or not np.array_equal(np.repeat(step_first, grad_accum), step)
-        or not np.array_equal(np.repeat(epoch[::grad_accum], grad_accum), epoch)
-    ):
-        raise ValueError(
-            f"plan steps must hold micro_index 0..{grad_accum - 1} (grad_accum={grad_accum}), each step within "
-            f"one epoch"
-        )
-    if np.any(np.diff(step_first) <= 0) or np.any(np.diff(epoch[::grad_accum]) < 0):
-        raise ValueError("plan steps must be distinct and increase with epochs")
-    return n_micro // grad_accum
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -592,7 +502,7 @@ def train(
 
     Args:
         plan: allocation plan, columns ``epoch, step, rank, micro_index, example_id`` (+ any others), sorted
-            by ``(rank, epoch, step, micro_index, position)``; see :func:`check_plan_structure`.
+            by ``(rank, epoch, step, micro_index, position)``; see :func:`ray_cluster_ft.allocate.check_plan`.
         examples: ``example_id`` (str), ``input_ids``, ``labels`` (list<int32>, -100 on prompt tokens).
         cfg: the ``train`` section of the job config.
         model_path: ``demo``, a local Hugging Face folder or a hub id (resolved with ``resolve_model_path``).
@@ -613,7 +523,7 @@ def train(
     from .model import cache_dir, resolve_model_path
 
     world = cfg.num_workers
-    total_steps = check_plan_structure(plan, world, cfg.micro_batch_size, cfg.grad_accum)
+    total_steps = check_plan(plan, world, cfg.micro_batch_size, cfg.grad_accum)
     n_micro = total_steps * cfg.grad_accum
     tables = build_rank_tables(plan, examples, world)
     model_dir = resolve_model_path(model_path)

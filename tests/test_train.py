@@ -12,11 +12,10 @@ import pyarrow as pa
 import pytest
 
 from ray_cluster_ft.config import TrainConfig
+from ray_cluster_ft.allocate import check_plan
 from ray_cluster_ft.train import (
     _disable_shm_comm,
     build_rank_tables,
-    check_plan_even,
-    check_plan_structure,
     deepspeed_config,
     lr_multiplier,
     pad_micro_batch,
@@ -112,40 +111,40 @@ def test_disable_shm_comm_sets_flag_and_skips_build():
 def test_uneven_plan_raises_before_any_worker(tmp_path):
     ex = make_examples(16)
     plan = make_plan(ex.column("example_id").to_pylist(), world=2, mbs=2, ga=1, epochs=1)
-    assert check_plan_even(plan, 2) == 4
+    assert check_plan(plan, 2, 2, 1) == 4
     # drop rank 1's last micro-batch: rank 0 has 4, rank 1 has 3
     last = plan[plan["rank"] == 1]["step"].max()
     uneven = plan[~((plan["rank"] == 1) & (plan["step"] == last))]
-    with pytest.raises(ValueError, match=r"rank 0: 4, rank 1: 3.*hang"):
-        check_plan_even(uneven, 2)
     cfg = TrainConfig(num_workers=2, micro_batch_size=2)
     # train() must fail on the plan before touching Ray (Ray is not initialised in this test)
     import ray
 
     was_initialized = ray.is_initialized()
-    with pytest.raises(ValueError, match="uneven"):
+    with pytest.raises(ValueError, match=r"uneven plan: rank 1 has 3 micro-batches, rank 0 has 4; uneven counts hang"):
         train(uneven, ex, cfg, str(tmp_path / "no-model"), tmp_path / "run")
     assert ray.is_initialized() == was_initialized
     assert not (tmp_path / "run").exists()
-    with pytest.raises(ValueError, match="outside"):
-        check_plan_even(plan, 1)
 
 
 def test_plan_structure_checks():
     ids = [f"ex{i:03d}" for i in range(16)]
     plan = make_plan(ids, world=2, mbs=2, ga=2, epochs=2)
-    assert check_plan_structure(plan, 2, micro_batch_size=2, grad_accum=2) == 4
+    assert check_plan(plan, 2, micro_batch_size=2, grad_accum=2) == 4
     with pytest.raises(ValueError, match="rows, expected micro_batch_size=4"):
-        check_plan_structure(plan, 2, micro_batch_size=4, grad_accum=2)
-    with pytest.raises(ValueError, match="not a multiple of grad_accum=3"):
-        check_plan_structure(plan, 2, micro_batch_size=2, grad_accum=3)
+        check_plan(plan, 2, micro_batch_size=4, grad_accum=2)
+    with pytest.raises(ValueError, match=r"micro_index values \[0, 1\], expected 0..2"):
+        check_plan(plan, 2, micro_batch_size=2, grad_accum=3)
     ga1 = make_plan(ids, world=2, mbs=2, ga=1, epochs=1)  # micro_index always 0, 4 micro-batches per rank
-    with pytest.raises(ValueError, match="micro_index 0..1"):
-        check_plan_structure(ga1, 2, micro_batch_size=2, grad_accum=2)
+    with pytest.raises(ValueError, match="expected 0..1"):
+        check_plan(ga1, 2, micro_batch_size=2, grad_accum=2)
     shifted = plan.copy()
     shifted.loc[shifted["rank"] == 1, "step"] += 100
-    with pytest.raises(ValueError, match="same"):
-        check_plan_structure(shifted, 2, micro_batch_size=2, grad_accum=2)
+    with pytest.raises(ValueError, match="of 2 ranks"):
+        check_plan(shifted, 2, micro_batch_size=2, grad_accum=2)
+    mixed = plan.copy()
+    mixed.loc[(mixed["step"] == 0) & (mixed["micro_index"] == 1), "epoch"] = 1
+    with pytest.raises(ValueError, match="spans several epochs"):
+        check_plan(mixed, 2, micro_batch_size=2, grad_accum=2)
 
 
 def test_build_rank_tables_joins_in_plan_order():
