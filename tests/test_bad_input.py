@@ -190,7 +190,7 @@ def test_rejection_to_json_survives_hostile_rows():
     assert out["position"] == 1 and out["row"].startswith("[[[")
 
 
-def test_mixed_file_counts_add_up_and_every_good_row_is_kept(tmp_path, demo_tokenizer):
+def _mixed_file(tmp_path):
     """One file with 31 good rows (three formats) interleaved with every kind of bad line above."""
     good = []
     for i in range(30):
@@ -211,7 +211,11 @@ def test_mixed_file_counts_add_up_and_every_good_row_is_kept(tmp_path, demo_toke
         if i < len(BAD_LINES):
             lines.append(BAD_LINES[i][1])
             bad_positions.append(len(lines))
-    f = _write_jsonl(tmp_path / "mixed.jsonl", lines)
+    return _write_jsonl(tmp_path / "mixed.jsonl", lines), lines, good, bad_positions
+
+
+def test_mixed_file_counts_add_up_and_every_good_row_is_kept(tmp_path, demo_tokenizer):
+    f, lines, good, bad_positions = _mixed_file(tmp_path)
     res = _load([f], demo_tokenizer, max_seq_len=128, eval_fraction=0.2)
     n_rej = len(res.rejected)
     assert res.n_read == len(lines) == len(good) + len(BAD_LINES)
@@ -222,6 +226,35 @@ def test_mixed_file_counts_add_up_and_every_good_row_is_kept(tmp_path, demo_toke
     assert {example_id(canonicalize(g)) for g in good} == kept
     domains = res.train.column("domain").to_pylist() + res.eval.column("domain").to_pylist()
     assert set(domains) == {"math", "lang", "chat", "default"}  # GOOD names no domain
+
+
+@pytest.mark.slow
+def test_mixed_file_run_manifest_accounts_for_every_row(tmp_path, tiny_model_dir):
+    """The same file through a real run (up to the plan, random baselines so no sketching): the manifest adds up."""
+    from ray_cluster_ft.pipeline import run_pipeline
+
+    f, lines, good, _ = _mixed_file(tmp_path)
+    out = tmp_path / "run"
+    cfg = parse_config({
+        "data": {"source": "files", "paths": [str(f)], "max_seq_len": 128, "eval_fraction": 0.2},
+        "model": {"path": str(tiny_model_dir)},
+        "selection": {"strategy": "random", "budget": 0.5},
+        "allocation": {"strategy": "random"},
+        "train": {"num_workers": 2, "micro_batch_size": 2},
+        "output": {"dir": str(out)},
+    })
+    m = run_pipeline(cfg, plan_only=True)
+    c = m["counts"]
+    assert c["read"] == len(lines) and c["rejected"] == len(BAD_LINES)
+    assert c["read"] == c["accepted"] + c["rejected"]
+    assert c["accepted"] == c["selected"] + c["not_selected"]
+    b = c["not_selected_breakdown"]
+    assert c["not_selected"] == b["held_out"] + b["below_budget"] + b["dropped_for_even_plan"]
+    assert json.loads((out / "manifest.json").read_text())["counts"] == c
+    assert sum(1 for _ in open(out / "rejected.jsonl", encoding="utf-8")) == c["rejected"]
+    ids = set(pq.read_table(out / "examples.parquet").column("example_id").to_pylist())
+    ids |= set(pq.read_table(out / "eval_examples.parquet").column("example_id").to_pylist())
+    assert {example_id(canonicalize(g)) for g in good} == ids
 
 
 # --------------------------------------------------------------------------- config
