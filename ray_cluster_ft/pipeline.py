@@ -61,16 +61,57 @@ def _versions() -> dict:
     }
 
 
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a ``host:port`` (or ``ray://host:port``) nobody listens on: ``ray.init`` retries for minutes."""
+    import socket
+
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", "local" and the like: Ray resolves them itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(f"cannot reach a Ray cluster at {address!r}: {err}") from None
+
+
 def _init_ray(address: str | None, use_gpu: bool) -> bool:
-    """Start or join Ray; returns True when this call started it (so the pipeline shuts it down)."""
+    """Start or join Ray; returns True when this call started it (so the pipeline shuts it down).
+
+    Raises:
+        ConfigError: the address is unreachable, or Ray could not start or connect.
+    """
     import ray
 
     if ray.is_initialized():
         return False
     env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
     address = address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+    if address:
+        _check_reachable(address)
+    try:
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+    except Exception as err:  # Ray raises a bare Exception when its node times out at start-up
+        raise ConfigError(f"could not {'join Ray at ' + repr(address) if address else 'start a local Ray'}: "
+                          f"{err}") from None
     return True
+
+
+def _check_local_resources(cfg: JobConfig) -> None:
+    """On a Ray this job started itself (no autoscaler), refuse a world size the machine cannot place:
+    Ray Train would otherwise wait for resources forever."""
+    import ray
+
+    res = ray.cluster_resources()
+    t = cfg.train
+    need_cpu = t.num_workers * t.cpus_per_worker
+    if need_cpu > res.get("CPU", 0):
+        raise ConfigError(f"train.num_workers={t.num_workers} x train.cpus_per_worker={t.cpus_per_worker} = "
+                          f"{need_cpu} CPUs, but the local Ray has {res.get('CPU', 0):g}; lower num_workers or "
+                          f"join a larger cluster with --address")
+    if t.use_gpu and t.num_workers > res.get("GPU", 0):
+        raise ConfigError(f"train.use_gpu with train.num_workers={t.num_workers}, but the local Ray has "
+                          f"{res.get('GPU', 0):g} GPUs")
 
 
 def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id: int) -> dict:
@@ -169,6 +210,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
 
     started_ray = _init_ray(address, cfg.train.use_gpu)
     try:
+        if started_ray and not (address or os.environ.get("RAY_ADDRESS")):
+            _check_local_resources(cfg)
         import ray
 
         ids = np.asarray(data.train.column("example_id").to_pylist())

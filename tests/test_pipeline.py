@@ -95,3 +95,32 @@ def test_plan_only_rerun_gives_identical_selection_and_plan(run, tmp_path, tiny_
     assert m["train"] is None and m["counts"]["trained"] == 0 and not (tmp_path / "trained.parquet").exists()
     for name in ("selection.parquet", "plan.parquet", "clusters.parquet"):
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_unreachable_ray_address_fails_fast():
+    import time
+
+    from ray_cluster_ft.config import ConfigError
+    from ray_cluster_ft.pipeline import _check_reachable
+
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="cannot reach a Ray cluster at '127.0.0.1:1'"):
+        _check_reachable("127.0.0.1:1")
+    with pytest.raises(ConfigError, match="ray://127.0.0.1:1"):
+        _check_reachable("ray://127.0.0.1:1")
+    assert time.perf_counter() - t0 < 15
+    _check_reachable("auto")  # resolved by Ray itself
+
+
+def test_world_size_beyond_local_resources_is_refused(monkeypatch):
+    import ray
+
+    from ray_cluster_ft.config import ConfigError
+    from ray_cluster_ft.pipeline import _check_local_resources
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    _check_local_resources(parse_config({"train": {"num_workers": 2}}))
+    with pytest.raises(ConfigError, match=r"num_workers=64 x train.cpus_per_worker=1 = 64 CPUs, but the local Ray has 2"):
+        _check_local_resources(parse_config({"train": {"num_workers": 64}}))
+    with pytest.raises(ConfigError, match="0 GPUs"):
+        _check_local_resources(parse_config({"train": {"num_workers": 1, "use_gpu": True}}))
