@@ -31,7 +31,7 @@ __all__ = ["PLAN_COLUMNS", "PlanResult", "make_plan", "plan_metrics", "check_pla
 
 PLAN_COLUMNS = ["epoch", "step", "rank", "micro_index", "example_id", "cluster", "n_tokens"]
 # Stream tags mixed into the seed so drop choice, slot order and rank tie-breaks never share random draws.
-_TAG_DROP, _TAG_ORDER, _TAG_RANKS = 1, 2, 3
+_TAG_DROP, _TAG_ORDER, _TAG_RANKS, _TAG_SLOTS = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ def make_plan(
     micro_batch_size: int,
     grad_accum: int = 1,
     epochs: int = 1,
-    strategy: Literal["cluster", "random"] = "cluster",
+    strategy: Literal["cluster", "random", "length"] = "cluster",
     seed: int = 0,
     pad_tolerance: float = 0.05,
 ) -> PlanResult:
@@ -317,6 +317,12 @@ def make_plan(
     ``random`` (the baseline, a shuffled ``DistributedSampler``): a seeded permutation per epoch, rank r takes
     every W-th example from position r, and cuts consecutive micro-batches.
 
+    ``length`` (grouping by length, as ``group_by_length`` in other trainers; no clusters): every epoch, the
+    kept examples in a seeded random order are stably sorted by length (so equal lengths mix differently per
+    epoch) and cut into consecutive micro-batches; ``world_size`` consecutive micro-batches (similar lengths)
+    form a slot, the slot order is shuffled (seed, epoch), and ranks get micro-batches by LPT as in
+    ``cluster``. The examples dropped are a seeded random choice, as in ``random``.
+
     Args:
         example_ids: str (N,) unique ids.
         clusters: int (N,) cluster of each example (any integers; ``-1`` is an ordinary cluster here).
@@ -325,7 +331,7 @@ def make_plan(
         micro_batch_size: rows per micro-batch B.
         grad_accum: micro-batches per rank per optimizer step G.
         epochs: passes over the kept examples.
-        strategy: ``cluster`` or ``random``.
+        strategy: ``cluster``, ``random`` or ``length``.
         seed: seed of every random choice (non-negative); epoch e uses streams derived from (seed, e).
         pad_tolerance: ``cluster`` only, in [0, 1]: largest padding fraction a single-cluster micro-batch
             may keep; 1 keeps every one (pure clusters, more padding), 0 pools all that are not uniform.
@@ -341,8 +347,8 @@ def make_plan(
     b = _positive("micro_batch_size", micro_batch_size)
     g = _positive("grad_accum", grad_accum)
     n_epochs = _positive("epochs", epochs)
-    if strategy not in ("cluster", "random"):
-        raise ValueError(f"strategy must be 'cluster' or 'random', got {strategy!r}")
+    if strategy not in ("cluster", "random", "length"):
+        raise ValueError(f"strategy must be 'cluster', 'random' or 'length', got {strategy!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if not 0.0 <= float(pad_tolerance) <= 1.0:
@@ -360,15 +366,24 @@ def make_plan(
     n_slots = n_keep // (w * b)
     steps_per_epoch = n_slots // g
 
-    if strategy == "random":
+    if strategy in ("random", "length"):
         drop = np.sort(_rng(seed, _TAG_DROP).choice(n, size=n_drop, replace=False)).astype(np.int64)
         kept = np.setdiff1d(np.arange(n), drop)
         mb_rows_all, scheds = [], []
         for e in range(n_epochs):
             perm = _rng(seed, _TAG_ORDER, e).permutation(kept)
+            base = e * n_slots * w
+            if strategy == "length":
+                srt = perm[np.argsort(nt[perm], kind="stable")]
+                mbs_e = srt.reshape(-1, b)  # (n_slots * W, B), by length
+                costs_e = b * nt[mbs_e].max(axis=1)
+                slots = np.arange(n_slots * w).reshape(n_slots, w)  # W neighbours in length per slot
+                step_slots = slots[_rng(seed, _TAG_SLOTS, e).permutation(n_slots)].reshape(steps_per_epoch, g, w)
+                mb_rows_all.append(mbs_e)
+                scheds.append(base + _assign_ranks(step_slots, costs_e, _rng(seed, _TAG_RANKS, e)))
+                continue
             per_rank = perm.reshape(-1, w).T  # rank r: perm[r::W], like DistributedSampler
             mbs = per_rank.reshape(w, steps_per_epoch, g, b)
-            base = e * n_slots * w
             mb_rows_all.append(mbs.reshape(-1, b))
             ids_grid = base + np.arange(w * n_slots).reshape(w, steps_per_epoch, g)
             scheds.append(ids_grid.transpose(1, 2, 0))  # step, micro_index, rank

@@ -63,7 +63,7 @@ def _rules_hold(res, ids, clusters, n_tokens, w, b, g, epochs):
     b=st.integers(1, 8),
     g=st.integers(1, 4),
     epochs=st.integers(1, 2),
-    strategy=st.sampled_from(["cluster", "random"]),
+    strategy=st.sampled_from(["cluster", "random", "length"]),
     seed=st.integers(0, 2**16),
 )
 def test_plan_properties(cluster_sizes, w, b, g, epochs, strategy, seed):
@@ -106,7 +106,7 @@ def test_collision_free_whenever_possible(mbs_per_cluster, w, b, g, seed):
     assert round(m["collisions_per_step"] * m["steps"]) == floor
 
 
-@pytest.mark.parametrize("strategy", ["cluster", "random"])
+@pytest.mark.parametrize("strategy", ["cluster", "random", "length"])
 def test_awkward_sizes(strategy):
     ids, clusters, n_tokens = _synthetic(103, 5)
     res = make_plan(ids, clusters, n_tokens, world_size=2, micro_batch_size=4, strategy=strategy)
@@ -180,7 +180,36 @@ def test_slots_are_shuffled_across_the_epoch():
     assert set(e0) == set(e1) and not np.array_equal(e0, e1)
 
 
-@pytest.mark.parametrize("strategy", ["cluster", "random"])
+def test_length_plan_cuts_sorted_lengths():
+    # Known answer: every epoch's micro-batches are the kept examples sorted by length, cut in runs of B, so the
+    # padded tokens are those of that cut; slots pair neighbouring micro-batches, so ranks stay balanced.
+    rng = np.random.default_rng(5)
+    n, w, b, g = 1003, 4, 4, 2
+    ids, clusters = _ids(n), rng.integers(0, 9, n)
+    n_tokens = np.maximum(8, np.exp(rng.normal(5.0, 0.8, n))).astype(int)
+    res = make_plan(ids, clusters, n_tokens, w, b, g, epochs=2, strategy="length", seed=3)
+    _rules_hold(res, ids, clusters, n_tokens, w, b, g, 2)
+    kept = np.sort(n_tokens[~np.isin(ids, res.dropped)])
+    ref_padded = int((b * kept.reshape(-1, b).max(axis=1)).sum())
+    mb = res.plan.groupby(["epoch", "step", "rank", "micro_index"])["n_tokens"].agg(["max", "size", "min"])
+    for e in (0, 1):
+        part = mb.loc[e]
+        assert int((part["max"] * part["size"]).sum()) == ref_padded
+    lp = plan_metrics(res.plan, w)
+    rd = plan_metrics(make_plan(ids, clusters, n_tokens, w, b, g, epochs=2, strategy="random", seed=3).plan, w)
+    assert lp["padding_fraction"] < 0.05 < rd["padding_fraction"]
+    assert lp["token_imbalance_mean"] <= 1.05 < rd["token_imbalance_mean"]
+    # Steps are not in length order, and the epochs differ.
+    load = res.plan[res.plan["epoch"] == 0].groupby("step")["n_tokens"].max()
+    assert abs(np.corrcoef(load.index, load.to_numpy())[0, 1]) < 0.3
+    e0, e1 = (res.plan[res.plan["epoch"] == e]["example_id"].to_numpy() for e in (0, 1))
+    assert not np.array_equal(e0, e1)
+    from ray_cluster_ft.config import parse_config
+
+    assert parse_config({"allocation": {"strategy": "length"}}).allocation.strategy == "length"
+
+
+@pytest.mark.parametrize("strategy", ["cluster", "random", "length"])
 def test_same_seed_same_plan(strategy):
     ids, clusters, n_tokens = _synthetic(500, 7, seed=2)
     a = make_plan(ids, clusters, n_tokens, 3, 4, 2, 2, strategy, seed=11)

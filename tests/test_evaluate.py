@@ -1,10 +1,15 @@
 import math
+import os
+import time
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 
 from ray_cluster_ft.evaluate import heldout_loss
+
+from .conftest import shared_data_dir
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +56,254 @@ def test_heldout_loss_empty_table(tiny):
     empty = pa.table({"input_ids": pa.array([], pa.list_(pa.int32())), "labels": pa.array([], pa.list_(pa.int32())),
                       "domain": pa.array([], pa.string())})
     assert heldout_loss(tiny, empty) == {}
+
+
+# --------------------------------------------------------------------------- multiple choice
+
+
+class _FavourToken(torch.nn.Module):
+    """A causal LM stand-in whose next-token logits are 0 everywhere except ``high`` on one token id."""
+
+    def __init__(self, token_id: int, vocab: int, high: float = 10.0):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the evaluator a device to read
+        self.token_id, self.vocab, self.high = token_id, vocab, high
+
+    def forward(self, input_ids, attention_mask=None, **_):
+        from types import SimpleNamespace
+
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        logits[..., self.token_id] = self.high
+        return SimpleNamespace(logits=logits)
+
+
+@pytest.fixture(scope="module")
+def mmlu_items(demo_tokenizer):
+    """Real held-out-style MC items: demo MMLU rows, chat-templated prompts, gold letters from the data."""
+    from ray_cluster_ft.data import canonicalize, iter_demo_rows
+    from ray_cluster_ft.evaluate import demo_eval_fields, task_from_row
+
+    items = []
+    for _src, _pos, row in iter_demo_rows(limit=24, seed=3):
+        if row["source"] != "mmlu-medical":
+            continue
+        task = task_from_row({**row, **demo_eval_fields(row)})
+        prompt = demo_tokenizer.apply_chat_template(canonicalize(row)[:-1], tokenize=False, add_generation_prompt=True)
+        items.append({"prompt_ids": demo_tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                      "choices": task["choices"], "gold": task["gold"]})
+    return items
+
+
+@pytest.mark.parametrize("letter", ["A", "C"])
+def test_mc_model_that_always_picks_a_letter_scores_its_share(mmlu_items, demo_tokenizer, letter):
+    from ray_cluster_ft.evaluate import mc_accuracy
+
+    golds = [it["gold"] for it in mmlu_items]
+    share = sum(g == "ABCD".index(letter) for g in golds) / len(golds)
+    assert len(set(golds)) > 1 and 0 < share < 1  # the known answer separates a right from a wrong scorer
+    model = _FavourToken(demo_tokenizer.convert_tokens_to_ids(letter), len(demo_tokenizer))
+    res = mc_accuracy(model, demo_tokenizer, mmlu_items, batch_size=3)
+    assert res["items"] == len(mmlu_items) == 24
+    assert res["accuracy"] == share
+    assert res["predictions"] == ["ABCD".index(letter)] * len(mmlu_items)
+    # softmax over 4 letters with one at +10: the gold's probability is known exactly
+    p_hi = math.exp(10) / (math.exp(10) + 3)
+    assert res["gold_prob"] == pytest.approx(share * p_hi + (1 - share) * (1 - p_hi) / 3, rel=1e-6)
+
+
+def test_choice_logprobs_match_one_sequence_at_a_time(tiny):
+    from ray_cluster_ft.evaluate import choice_logprobs
+
+    g = torch.Generator().manual_seed(2)
+    rnd = lambda n: torch.randint(3, 1000, (n,), generator=g).tolist()  # noqa: E731
+    items = [
+        {"prompt_ids": rnd(7), "choice_ids": [rnd(1), rnd(1), rnd(1)]},          # single-token fast path
+        {"prompt_ids": rnd(3), "choice_ids": [rnd(2), rnd(4)]},                  # multi-token path
+        {"prompt_ids": rnd(11), "choice_ids": [rnd(1), rnd(3), rnd(1), rnd(2)]},
+        {"prompt_ids": rnd(5), "choice_ids": [rnd(1), rnd(1)]},
+    ]
+    ref = []
+    for it in items:
+        row = []
+        for c in it["choice_ids"]:
+            seq = torch.tensor([it["prompt_ids"] + c])
+            lp = torch.log_softmax(tiny(input_ids=seq).logits[0].double(), -1)
+            n_p = len(it["prompt_ids"])
+            row.append(sum(lp[n_p - 1 + k, tok].item() for k, tok in enumerate(c)))
+        ref.append(row)
+    for bs in (1, 2, 8):
+        got = choice_logprobs(tiny, items, batch_size=bs, pad_token_id=0)
+        for r, gv in zip(ref, got):
+            np.testing.assert_allclose(gv, r, rtol=1e-6)  # logits go through fp32
+
+
+def test_loss_pass_scores_equal_choice_logprobs(tiny):
+    # The letters read off the loss pass (prompt's last position) are the single-token choice scores.
+    g = torch.Generator().manual_seed(6)
+    rows, want = [], {}
+    for i, (n, n_prompt) in enumerate([(9, 4), (5, 2), (12, 7)]):
+        ids = torch.randint(3, 1000, (n,), generator=g).tolist()
+        rows.append((f"e{i}", ids, [-100] * n_prompt + ids[n_prompt:], "code"))
+        want[f"e{i}"] = [11, 12, 13, ids[n_prompt]]
+    table = pa.table({"example_id": [r[0] for r in rows], "input_ids": [r[1] for r in rows],
+                      "labels": [r[2] for r in rows], "domain": [r[3] for r in rows]})
+    scores = dict(want)
+    heldout_loss(tiny, table, batch_size=2, prompt_end_scores=scores)
+    from ray_cluster_ft.evaluate import choice_logprobs
+
+    ref = choice_logprobs(tiny, [{"prompt_ids": r[1][: r[2].count(-100)], "choice_ids": [[t] for t in want[r[0]]]}
+                                 for r in rows])
+    for r, x in zip(rows, ref):
+        np.testing.assert_allclose(scores[r[0]], x, rtol=1e-6)
+
+
+def test_mc_bad_items(tiny, demo_tokenizer):
+    from ray_cluster_ft.evaluate import choice_logprobs, mc_accuracy
+
+    with pytest.raises(ValueError, match="gold"):
+        mc_accuracy(tiny, demo_tokenizer, [{"prompt_ids": [5, 6], "choices": ["A", "B"], "gold": 2}])
+    with pytest.raises(ValueError, match="at least 2 choices"):
+        choice_logprobs(tiny, [{"prompt_ids": [5], "choice_ids": [[7]]}])
+    with pytest.raises(ValueError, match="empty prompt"):
+        choice_logprobs(tiny, [{"prompt_ids": [], "choice_ids": [[7], [8]]}])
+    assert math.isnan(mc_accuracy(tiny, demo_tokenizer, [])["accuracy"])
+
+
+# --------------------------------------------------------------------------- code execution, pass@1
+
+
+def test_code_known_outcomes():
+    from ray_cluster_ft.codeexec import check_completions
+
+    tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
+    comps = [
+        "def add(a, b):\n    return a + b\n",                          # right
+        "def add(a, b):\n    return a - b\n",                          # wrong
+        "def add(a, b):\n    while True:\n        pass\n",             # never returns
+        "def add(a, b)\n    return a + b\n",                           # does not compile
+        "Sure:\n```python\ndef add(a, b):\n    return a + b\n```\nprint(add(1,",  # fenced, with chat around it
+    ]
+    res = check_completions(comps, [{"tests": tests}] * len(comps), time_limit_s=2.0, workers=3)
+    assert [r["status"] for r in res] == ["passed", "failed", "timeout", "syntax_error", "passed"]
+    assert "AssertionError" in res[1]["stderr"]
+    assert 1.9 < res[2]["seconds"] < 10  # stopped at the limit, not left running
+
+
+def test_code_limits_and_isolation(tmp_path):
+    from ray_cluster_ft.codeexec import run_program
+
+    # Address-space cap: a 2 GiB allocation fails inside the child, the parent is untouched.
+    r = run_program("x = bytearray(2 << 30)\n", time_limit_s=5.0, memory_mb=256)
+    assert r["status"] == "failed" and "MemoryError" in r["stderr"]
+    # A fresh temporary working directory that is removed afterwards; isolated mode ignores PYTHONPATH.
+    marker = tmp_path / "seen.txt"
+    r = run_program(f"import os, sys\nopen({str(marker)!r}, 'w').write(os.getcwd() + '|' + str(sys.flags.isolated))\n")
+    assert r["status"] == "passed"
+    cwd, isolated = marker.read_text().split("|")
+    assert cwd.startswith("/") and "rcft-exec-" in cwd and isolated == "1"
+    assert not os.path.exists(cwd)
+    # A child forked by the program dies with it at the time limit.
+    pid_file = tmp_path / "child.pid"
+    prog = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
+    r = run_program(prog, time_limit_s=2.0)
+    assert r["status"] == "timeout"
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert not _alive(child)
+    with pytest.raises(ValueError, match="time_limit_s"):
+        run_program("pass", time_limit_s=0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_demo_and_mbpp_reference_solutions_pass_their_tests(demo_tokenizer):
+    """The task fields found for real held-out rows are right: each row's own reference answer passes."""
+    from ray_cluster_ft.codeexec import check_completions
+    from ray_cluster_ft.config import DataConfig
+    from ray_cluster_ft.data import load_examples
+    from ray_cluster_ft.evaluate import eval_tasks
+
+    cfg = DataConfig(source="demo", limit=30, max_seq_len=512, eval_fraction=0.3, max_eval=64, seed=1)
+    data = load_examples(cfg, demo_tokenizer)
+    tasks = eval_tasks(cfg, data.eval, max_mc=100, max_code=100)
+    kinds = {t["kind"] for t in tasks}
+    assert kinds == {"mc", "code"}
+    resp = _responses(data.eval, demo_tokenizer)
+    code = [t for t in tasks if t["kind"] == "code"]
+    mc = [t for t in tasks if t["kind"] == "mc"]
+    assert len(code) + len(mc) == data.eval.num_rows  # every demo row is an MC item or a code problem
+    assert all(resp[t["example_id"]].startswith("ABCD"[t["gold"]] + ". ") for t in mc)
+    res = check_completions([resp[t["example_id"]] for t in code], code, time_limit_s=10.0, workers=2)
+    assert [r["status"] for r in res] == ["passed"] * len(code)
+    wrong = check_completions(["    return None\n"] * len(code), code, time_limit_s=10.0, workers=2)
+    assert all(r["status"] == "failed" for r in wrong)
+
+    root = shared_data_dir()
+    if root is None:
+        pytest.skip("shared data not found")
+    cfg = DataConfig(source="files", paths=[str(root / "mbpp.jsonl")], limit=40, max_seq_len=512,
+                     eval_fraction=0.2, max_eval=8, seed=0)
+    data = load_examples(cfg, demo_tokenizer)
+    tasks = eval_tasks(cfg, data.eval, max_code=5)
+    assert len(tasks) == 5 and all(t["kind"] == "code" for t in tasks)
+    resp = _responses(data.eval, demo_tokenizer)
+    res = check_completions([resp[t["example_id"]] for t in tasks], tasks, time_limit_s=10.0, workers=2)
+    assert [r["status"] for r in res] == ["passed"] * 5
+
+
+def _responses(table, tok):
+    return {e: tok.decode([i for i, lab in zip(ids, labels) if lab != -100], skip_special_tokens=True)
+            for e, ids, labels in zip(table.column("example_id").to_pylist(), table.column("input_ids").to_pylist(),
+                                      table.column("labels").to_pylist())}
+
+
+def test_greedy_generation_batched_equals_one_at_a_time(tiny, demo_tokenizer):
+    from ray_cluster_ft.evaluate import generate_completions
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 4, 13)]
+    one = [generate_completions(tiny, demo_tokenizer, [p], max_new_tokens=6)[0] for p in prompts]
+    batched = generate_completions(tiny, demo_tokenizer, prompts, max_new_tokens=6, batch_size=3)
+    assert batched == one
+    assert all(0 < len(demo_tokenizer(c, add_special_tokens=False)["input_ids"]) <= 6 for c in one)
+
+
+def test_evaluate_model_path_adds_task_metrics(tiny_model_dir, demo_tokenizer):
+    from ray_cluster_ft.config import DataConfig
+    from ray_cluster_ft.data import load_examples
+    from ray_cluster_ft.evaluate import eval_tasks, evaluate_model_path, heldout_loss
+    from ray_cluster_ft.model import load_model
+
+    cfg = DataConfig(source="demo", limit=20, max_seq_len=384, eval_fraction=0.3, max_eval=12, seed=0)
+    data = load_examples(cfg, demo_tokenizer)
+    tasks = eval_tasks(cfg, data.eval, max_mc=3, max_code=2)
+    assert [t["kind"] for t in tasks].count("mc") == 3 and [t["kind"] for t in tasks].count("code") == 2
+    res = evaluate_model_path(str(tiny_model_dir), data.eval, batch_size=4, pad_token_id=demo_tokenizer.pad_token_id,
+                              tasks=tasks, max_new_tokens=4, time_limit_s=5.0)
+    fp32 = load_model(str(tiny_model_dir))  # what evaluate_model_path loads on CPU
+    ref = heldout_loss(fp32, data.eval, batch_size=4, pad_token_id=demo_tokenizer.pad_token_id)
+    for d in ref:
+        assert res[d]["loss"] == pytest.approx(ref[d]["loss"], rel=1e-6)
+    assert res["medical"]["mc_items"] == 3
+    # The letters scored off the loss pass agree with a separate likelihood pass over the prompts.
+    from ray_cluster_ft.evaluate import mc_accuracy
+
+    prompts = {e: ids[: lab.count(-100)] for e, ids, lab in zip(data.eval.column("example_id").to_pylist(),
+                                                                 data.eval.column("input_ids").to_pylist(),
+                                                                 data.eval.column("labels").to_pylist())}
+    direct = mc_accuracy(fp32, demo_tokenizer,
+                         [{"prompt_ids": prompts[t["example_id"]], "choices": t["choices"], "gold": t["gold"]}
+                          for t in tasks if t["kind"] == "mc"])
+    assert res["medical"]["mc_accuracy"] == direct["accuracy"]
+    assert res["medical"]["mc_gold_prob"] == pytest.approx(direct["gold_prob"], rel=1e-4)
+    # A random 2-layer model writing 4 tokens cannot solve a HumanEval problem.
+    assert res["code"]["code_problems"] == 2 and res["code"]["pass_at_1"] == 0.0
+    assert sum(res["code"]["code_status"].values()) == 2
+    assert res["all"]["mc_items"] == 3 and res["all"]["code_problems"] == 2
