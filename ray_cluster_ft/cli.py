@@ -19,7 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ray-cluster-ft", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job spec (YAML)")
-    run.add_argument("config", help="job spec, e.g. jobs/demo.yaml")
+    run.add_argument("config", nargs="?", help="job spec, e.g. jobs/demo.yaml (omit with --resume)")
+    run.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue a stopped run from its last checkpoint, with the job spec saved in RUN_DIR")
     run.add_argument("--output", help="run directory (overrides output.dir)")
     run.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
     run.add_argument("--plan-only", action="store_true",
@@ -42,12 +44,25 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config)
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
             return 0
-        path = demo_config_path() if args.command == "demo" else args.config
-        overrides = {"output.dir": args.output} if args.output else {}
+        resume = getattr(args, "resume", None)
+        if resume:
+            if args.config or args.output:
+                raise ConfigError("--resume RUN_DIR takes the job spec and output directory saved in RUN_DIR; "
+                                  "drop CONFIG and --output")
+            path = Path(resume) / "config.yaml"
+            if not path.is_file():
+                raise ConfigError(f"--resume {resume}: no config.yaml there (not a ray-cluster-ft run directory)")
+            overrides = {"output.dir": str(Path(resume).resolve())}
+        else:
+            path = demo_config_path() if args.command == "demo" else args.config
+            if path is None:
+                raise ConfigError("run needs a job spec (CONFIG) or --resume RUN_DIR")
+            overrides = {"output.dir": args.output} if args.output else {}
         cfg = load_config(path, overrides)
         from .pipeline import run_pipeline
 
-        manifest = run_pipeline(cfg, address=args.address, plan_only=getattr(args, "plan_only", False))
+        manifest = run_pipeline(cfg, address=args.address, plan_only=getattr(args, "plan_only", False),
+                                resume=bool(resume))
     except (ConfigError, FileNotFoundError) as err:
         print(f"ray-cluster-ft: error: {err}", file=sys.stderr)
         return 2

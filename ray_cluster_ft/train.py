@@ -20,6 +20,7 @@ Artifacts written under ``run_dir``:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -39,9 +40,11 @@ from .config import TrainConfig
 __all__ = [
     "TrainResult",
     "deepspeed_config",
+    "merge_deepspeed_config",
     "lr_multiplier",
     "build_rank_tables",
     "pad_micro_batch",
+    "plan_hash",
     "train",
 ]
 
@@ -49,6 +52,7 @@ PLAN_COLUMNS = ("epoch", "step", "rank", "micro_index", "example_id")
 TRAINED_COLUMNS = ("rank", "step", "micro_index", "epoch", "example_id")
 IGNORE_INDEX = -100  # Hugging Face's label value for "no loss on this token"
 _KEY = ["epoch", "step", "micro_index"]
+FAIL_AT_STEP_ENV = "RAY_CLUSTER_FT_FAIL_AT_STEP"  # fault injection for tests: rank 0 raises once at this step
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,11 @@ class TrainResult:
         checkpoint_path: the final Ray Train checkpoint folder (DeepSpeed state of every rank); None if
             Ray reported none.
         init_seconds: seconds rank 0 spent loading the model and in ``deepspeed.initialize``.
+        step_time_p50_s, step_time_p90_s: per rank (list index = rank), the median and 90th percentile of
+            the optimizer-step wall time in seconds.
+        wait_mean_s: per rank, mean seconds per step spent waiting at the gradient all-reduce, approximated
+            as step time minus 3x the forward time (see ``train_log.jsonl``'s ``wait_s_per_rank``).
+        resumed_from_step: optimizer steps the last (re)start found already done in its checkpoint.
     """
 
     final_model_dir: Path | None
@@ -77,6 +86,10 @@ class TrainResult:
     trained_path: Path
     checkpoint_path: str | None = None
     init_seconds: float = float("nan")
+    step_time_p50_s: list = ()
+    step_time_p90_s: list = ()
+    wait_mean_s: list = ()
+    resumed_from_step: int = 0
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -135,7 +148,11 @@ def deepspeed_config(cfg: TrainConfig, total_steps: int) -> dict:
     if total_steps < 1:
         raise ValueError(f"deepspeed_config: total_steps must be >= 1, got {total_steps}")
     zero: dict[str, Any] = {"stage": int(cfg.zero_stage)}
-    return {
+    if cfg.offload in ("optimizer", "params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": bool(cfg.use_gpu)}
+    if cfg.offload == "params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": bool(cfg.use_gpu)}
+    ds = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * cfg.num_workers,
@@ -156,6 +173,34 @@ def deepspeed_config(cfg: TrainConfig, total_steps: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if cfg.deepspeed_config:
+        ds = merge_deepspeed_config(ds, json.loads(Path(cfg.deepspeed_config).read_text(encoding="utf-8")))
+    return ds
+
+
+def merge_deepspeed_config(base: dict, user: dict) -> dict:
+    """``user`` merged over ``base``, recursively: nested mappings merge key by key, any other user value wins.
+
+    The batch keys (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``train_batch_size``)
+    must agree with the plan, which fixed them: a user value that differs raises.
+
+    Raises:
+        ValueError: a user batch key that contradicts the job config (the plan's micro-batches would not fit).
+    """
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        if key in user and user[key] != base.get(key):
+            raise ValueError(
+                f"the DeepSpeed config sets {key}={user[key]!r} but the plan was built for {base.get(key)!r}; "
+                f"set train.micro_batch_size / train.grad_accum / train.num_workers instead"
+            )
+    return _deep_merge(base, user)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -336,8 +381,77 @@ def _append_jsonl(fh, rows: list[dict]) -> None:
     fh.flush()
 
 
+def _truncate_lines(path: Path, keep: int) -> None:
+    """Keep the first ``keep`` lines of a JSONL log (rows written after the checkpoint are trained again)."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    complete = [x for x in lines if x.endswith("\n")]
+    if len(complete) < keep:
+        raise RuntimeError(f"{path} holds {len(complete)} complete rows but the checkpoint says {keep} were trained")
+    path.write_text("".join(complete[:keep]), encoding="utf-8")
+
+
+def _restore(engine, rank: int, plan_hash: str) -> int:
+    """Load Ray Train's latest checkpoint (if any) into ``engine``; returns the micro-batches it already trained."""
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return 0
+    with ckpt.as_directory() as d:
+        pos = json.loads((Path(d) / f"plan_position_rank{rank}.json").read_text())
+        if pos.get("plan_hash") != plan_hash:
+            raise RuntimeError(
+                f"the checkpoint in {ckpt.path} was written for another plan (plan hash {pos.get('plan_hash')}, "
+                f"this run's is {plan_hash}); resume only with the run's own plan, or start a fresh run directory"
+            )
+        load_path, _ = engine.load_checkpoint(d, tag=pos["tag"])
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint '{pos['tag']}' in {ckpt.path}")
+    return int(pos["micro_batches_done"])
+
+
+def _checkpoint(engine, rank: int, done: int, steps_done: int, plan_hash: str, metrics: dict) -> None:
+    """Every rank saves its DeepSpeed shard and its plan position; Ray merges them into one checkpoint."""
+    import ray.train
+
+    tag = f"step{steps_done}"
+    with tempfile.TemporaryDirectory(prefix="ds_ckpt_") as tmp:
+        engine.save_checkpoint(tmp, tag=tag)
+        # One position file per rank, so Ray's merge of the ranks' checkpoint folders cannot collide.
+        (Path(tmp) / f"plan_position_rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "micro_batches_done": done, "steps_done": steps_done, "tag": tag, "plan_hash": plan_hash}))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def _metric_handles(rank: int) -> dict:
+    """The training metrics exported to Ray's metrics agent (Prometheus / the dashboard's Metrics view)."""
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    tags = {"rank": str(rank)}
+    m = {
+        "step_s": Histogram("ray_cluster_ft_train_step_seconds", "optimizer-step wall time of this rank",
+                            boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160], tag_keys=("rank",)),
+        "wait_s": Gauge("ray_cluster_ft_train_wait_seconds",
+                        "approximate wait at the gradient all-reduce in the last step (step time - compute time)",
+                        tag_keys=("rank",)),
+        "tokens": Counter("ray_cluster_ft_train_tokens_total", "real (non-padding) tokens trained by this rank",
+                          tag_keys=("rank",)),
+        "tps": Gauge("ray_cluster_ft_train_tokens_per_second", "this rank's real tokens / its step time",
+                     tag_keys=("rank",)),
+        "loss": Gauge("ray_cluster_ft_train_loss", "last step's loss averaged over ranks", tag_keys=("rank",)),
+    }
+    for h in m.values():
+        h.set_default_tags(tags)
+    return m
+
+
 def _train_loop_per_worker(config: dict) -> None:
-    """Ray Train worker: DeepSpeed-train this rank's planned micro-batches, log, checkpoint, save the model."""
+    """Ray Train worker: DeepSpeed-train this rank's planned micro-batches, log, checkpoint, save the model.
+
+    After a worker-group restart (or a driver-level resume) the worker loads the latest checkpoint, cuts its
+    logs back to the checkpoint's plan position and skips that many micro-batches of its (re-created, same
+    order) dataset iterator, so every planned micro-batch is trained exactly once in the final model's history.
+    """
     import deepspeed
     import ray.train
     import torch
@@ -351,11 +465,21 @@ def _train_loop_per_worker(config: dict) -> None:
     run_dir = Path(config["run_dir"])
     total_steps, n_micro = config["total_steps"], config["micro_batches_per_rank"]
     mbs, ga = cfg.micro_batch_size, cfg.grad_accum
+    fail_at = int(config["fail_at_step"] or 0)
     torch.manual_seed(cfg.seed)
 
     _disable_shm_comm()
     t0 = time.perf_counter()
-    model = load_model(config["model_dir"], trust_remote_code=config["trust_remote_code"])
+    # bf16 weights on GPU: a 7B model in fp32 would need 28 GB per rank before ZeRO shards it (DeepSpeed keeps
+    # its own fp32 master copy in the optimizer state).
+    model = load_model(config["model_dir"], trust_remote_code=config["trust_remote_code"],
+                       dtype=torch.bfloat16 if cfg.use_gpu else torch.float32)
+    if cfg.lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+        model = get_peft_model(model, PeftLoraConfig(
+            r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+            target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
     t_load = time.perf_counter() - t0
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -366,20 +490,28 @@ def _train_loop_per_worker(config: dict) -> None:
     t_init = time.perf_counter() - t0
     engine.train()
     device = engine.device
+    start = _restore(engine, rank, config["plan_hash"])
     if rank == 0:
         print(f"[train] model loaded in {t_load:.1f}s, deepspeed.initialize done at {t_init:.1f}s "
-              f"(ZeRO-{cfg.zero_stage}, world {world}, {total_steps} steps)", flush=True)
+              f"(ZeRO-{cfg.zero_stage}{', LoRA' if cfg.lora.enabled else ''}, world {world}, {total_steps} steps)"
+              + (f"; resumed after step {start // ga}" if start else ""), flush=True)
 
-    trained_fh = open(run_dir / "trained" / f"rank{rank}.jsonl", "w", encoding="utf-8")
-    log_fh = open(run_dir / "train_log.jsonl", "w", encoding="utf-8") if rank == 0 else None
+    trained_path = run_dir / "trained" / f"rank{rank}.jsonl"
+    _truncate_lines(trained_path, start * mbs)
+    trained_fh = open(trained_path, "a", encoding="utf-8")
+    log_fh = None
+    if rank == 0:
+        _truncate_lines(run_dir / "train_log.jsonl", start // ga)
+        log_fh = open(run_dir / "train_log.jsonl", "a", encoding="utf-8")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    meters = _metric_handles(rank)
     shard = ray.train.get_dataset_shard(f"train_rank{rank}")
     done = 0
-    cur_epoch = cur_step = None
-    step_t0 = step_lr = 0.0
+    cur_step = None
+    step_t0 = step_lr = fwd_s = 0.0
     # This rank's step sums (loss over micro-batches, real tokens, padded tokens), kept on the device so the
-    # micro-batch loop never waits for the accelerator; read once per step by the all-reduce.
+    # micro-batch loop never waits for the accelerator; read once per step by the all-gather.
     acc = torch.zeros(3, dtype=torch.float64, device=device)
-    epoch_losses: list[float] = []
     metrics: dict[str, Any] = {}
     t_train = time.perf_counter()
     try:
@@ -392,19 +524,25 @@ def _train_loop_per_worker(config: dict) -> None:
                     f"rank {rank}: micro-batch (epoch {epoch}, step {step}, micro_index {micro}) arrived out of plan "
                     f"order after {done} micro-batches"
                 )
+            cur_step = step
+            if done < start:  # trained before the checkpoint this run resumed from
+                done += 1
+                continue
             if micro == 0:
-                if cur_epoch is not None and epoch != cur_epoch:
-                    # Every rank crosses the epoch boundary at the same micro-batch (checked by the driver),
-                    # so the report calls, which are a barrier, line up.
-                    ray.train.report({**metrics, "epoch_loss": float(np.mean(epoch_losses))})
-                    epoch_losses = []
-                cur_epoch, cur_step = epoch, step
+                n_step = done // ga + 1
+                if fail_at == n_step and rank == 0 and not (run_dir / ".fault_injected").exists():
+                    (run_dir / ".fault_injected").touch()
+                    raise RuntimeError(f"injected failure at step {n_step} ({FAIL_AT_STEP_ENV}={fail_at})")
                 step_t0 = time.perf_counter()
+                fwd_s = 0.0
                 step_lr = float(engine.get_lr()[0])  # the lr this step trains with (the scheduler steps after it)
                 acc.zero_()
             mb = {k: torch.from_numpy(v).to(device) for k, v in
                   pad_micro_batch(batch["input_ids"], batch["labels"], config["pad_token_id"]).items()}
+            t_f = time.perf_counter()
             loss = engine(**mb, use_cache=False).loss
+            sync()
+            fwd_s += time.perf_counter() - t_f
             engine.backward(loss)
             engine.step()
             _append_jsonl(trained_fh, [
@@ -415,22 +553,41 @@ def _train_loop_per_worker(config: dict) -> None:
                                 torch.tensor(float(mb["attention_mask"].numel()), dtype=torch.float64, device=device)])
             done += 1
             if micro == ga - 1:
-                t = acc.clone()
-                t[0] /= ga
-                dist.all_reduce(t)
+                sync()
                 step_time = time.perf_counter() - step_t0
-                loss_avg, tokens, padded = t[0].item() / world, int(t[1].item()), int(t[2].item())
-                epoch_losses.append(loss_avg)
+                mine = torch.cat([acc, torch.tensor([step_time, fwd_s], dtype=torch.float64, device=device)])
+                mine[0] /= ga
+                per_rank = [torch.zeros_like(mine) for _ in range(world)]
+                dist.all_gather(per_rank, mine)
+                g = torch.stack(per_rank).cpu().numpy()  # (world, 5): loss, tokens, padded, step_s, forward_s
+                loss_avg = float(g[:, 0].mean())
+                # Backward costs about twice the forward (Kaplan et al. 2020, section 2.1), and the forward
+                # holds no collective under ZeRO 0-2, so 3x forward approximates the rank's own compute.
+                compute = 3.0 * g[:, 4]
+                wait = np.maximum(0.0, g[:, 3] - compute)
+                meters["step_s"].observe(step_time)
+                meters["wait_s"].set(float(wait[rank]))
+                meters["tokens"].inc(float(g[rank, 1]))
+                meters["tps"].set(float(g[rank, 1] / max(step_time, 1e-9)))
+                meters["loss"].set(loss_avg)
+                steps_done = done // ga
                 metrics = {"epoch": epoch, "step": step, "loss": loss_avg}
                 if log_fh is not None:
-                    row = {"step": step, "epoch": epoch, "loss": loss_avg, "tokens": tokens, "padded_tokens": padded,
-                           "step_time_s": step_time, "tokens_per_s": tokens / max(step_time, 1e-9),
-                           "lr": step_lr}
+                    slowest = float(g[:, 3].max())
+                    row = {"step": step, "epoch": epoch, "loss": loss_avg, "tokens": int(g[:, 1].sum()),
+                           "padded_tokens": int(g[:, 2].sum()), "step_time_s": slowest,
+                           "tokens_per_s": float(g[:, 1].sum()) / max(slowest, 1e-9), "lr": step_lr,
+                           "step_time_s_per_rank": g[:, 3].round(4).tolist(),
+                           "compute_s_per_rank": compute.round(4).tolist(), "wait_s_per_rank": wait.round(4).tolist(),
+                           "tokens_per_rank": g[:, 1].astype(int).tolist()}
                     _append_jsonl(log_fh, [row])
-                    n = done // ga
-                    if n % cfg.log_every == 0 or n == total_steps:
-                        print(f"[train] step {n}/{total_steps} epoch {epoch} loss {loss_avg:.4f} "
-                              f"tokens/s {row['tokens_per_s']:.0f} step {step_time:.2f}s", flush=True)
+                    if steps_done % cfg.log_every == 0 or steps_done == total_steps:
+                        print(f"[train] step {steps_done}/{total_steps} epoch {epoch} loss {loss_avg:.4f} "
+                              f"tokens/s {row['tokens_per_s']:.0f} step {slowest:.2f}s "
+                              f"wait {wait.max():.2f}s", flush=True)
+                if cfg.checkpoint_every and steps_done % cfg.checkpoint_every == 0 and steps_done < total_steps:
+                    trained_fh.flush()
+                    _checkpoint(engine, rank, done, steps_done, config["plan_hash"], metrics)
         if done != n_micro:
             raise RuntimeError(f"rank {rank}: trained {done} micro-batches, the plan has {n_micro}")
     finally:
@@ -439,30 +596,26 @@ def _train_loop_per_worker(config: dict) -> None:
             log_fh.close()
     t_train = time.perf_counter() - t_train
 
+    final = {**metrics, "load_s": t_load, "init_s": t_init, "train_s": t_train, "resumed_from_micro_batch": start}
+    # The final checkpoint comes before the model is written: merging LoRA adapters rewrites the module tree.
+    _checkpoint(engine, rank, done, done // ga, config["plan_hash"], final)
     if config["save_model"]:
-        _save_hf_model(engine, run_dir / "final_model", rank, cfg.zero_stage)
+        _save_hf_model(engine, run_dir / "final_model", rank, cfg.zero_stage,
+                       merge_lora=cfg.lora.enabled and cfg.lora.merge)
     dist.barrier()
-    final = {**metrics, "epoch_loss": float(np.mean(epoch_losses)), "load_s": t_load, "init_s": t_init,
-             "train_s": t_train}
-    with tempfile.TemporaryDirectory(prefix="ds_ckpt_") as tmp:
-        engine.save_checkpoint(tmp)
-        # The plan position lets a resumed run know where it stopped; one file per rank so Ray's merge of
-        # the ranks' checkpoint folders cannot collide.
-        (Path(tmp) / f"plan_position_rank{rank}.json").write_text(
-            json.dumps({"rank": rank, "micro_batches_done": done, "epoch": cur_epoch, "step": cur_step})
-        )
-        ray.train.report(final, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
-def _save_hf_model(engine, dest: Path, rank: int, zero_stage: int) -> None:
-    """Rank 0 writes ``engine.module`` with ``save_pretrained``; under ZeRO-3 every rank first all-gathers
-    the partitioned parameters (a collective, so all ranks must call this)."""
+def _save_hf_model(engine, dest: Path, rank: int, zero_stage: int, merge_lora: bool = False) -> None:
+    """Rank 0 writes ``engine.module`` with ``save_pretrained`` (for a peft model: the adapter, or with
+    ``merge_lora`` the base model with the adapters merged in); under ZeRO-3 every rank first all-gathers the
+    partitioned parameters (a collective, so all ranks must call this)."""
     import deepspeed
 
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero_stage == 3):
         if rank == 0:
-            engine.module.save_pretrained(dest)
+            module = engine.module.merge_and_unload() if merge_lora else engine.module
+            module.save_pretrained(dest)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -491,6 +644,7 @@ def train(
     trust_remote_code: bool = False,
     save_model: bool = True,
     pad_token_id: int = 0,
+    resume: bool = False,
 ) -> TrainResult:
     """Train ``model_path`` on exactly the planned micro-batches with Ray Train + DeepSpeed.
 
@@ -510,6 +664,12 @@ def train(
         trust_remote_code: passed to ``from_pretrained``.
         save_model: write ``run_dir/final_model`` (HF format + tokenizer).
         pad_token_id: id used to right-pad micro-batches (masked out of attention and loss).
+        resume: continue from the latest checkpoint under ``run_dir/ray_train`` (a stopped run of the same
+            plan); False starts clean, deleting that run's checkpoints and logs.
+
+    Fault tolerance: ``cfg.max_failures`` worker-group restarts, each resuming from the latest checkpoint
+    (written every ``cfg.checkpoint_every`` steps and at the end). For tests, ``$RAY_CLUSTER_FT_FAIL_AT_STEP=N``
+    makes rank 0 raise once per run directory at the start of optimizer step N (1-based).
 
     Returns:
         :class:`TrainResult`.
@@ -541,10 +701,13 @@ def train(
 
     run_dir = Path(run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("trained", "final_model"):
+    # Ray Train resumes from any checkpoint under the same RunConfig(name, storage_path): a fresh run must
+    # not find the last run's.
+    stale_dirs = ["final_model"] if resume else ["trained", "final_model", "ray_train"]
+    for stale in stale_dirs:
         shutil.rmtree(run_dir / stale, ignore_errors=True)
-    (run_dir / "trained").mkdir()
-    for stale in ("train_log.jsonl", "trained.parquet"):
+    (run_dir / "trained").mkdir(exist_ok=True)
+    for stale in ("trained.parquet",) if resume else ("train_log.jsonl", "trained.parquet"):
         (run_dir / stale).unlink(missing_ok=True)
 
     # Ray Train's print patch both tees and logs every print of a worker: the progress lines came out twice.
@@ -569,6 +732,8 @@ def train(
             "micro_batches_per_rank": n_micro,
             "save_model": save_model,
             "pad_token_id": int(pad_token_id),
+            "plan_hash": plan_hash(plan),
+            "fail_at_step": os.environ.get(FAIL_AT_STEP_ENV),
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=world, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}
@@ -577,9 +742,9 @@ def train(
             name="train",
             storage_path=str(run_dir / "ray_train"),
             worker_runtime_env={"env_vars": env},
-            # One checkpoint per run; a re-run in the same run_dir replaces the previous one (the demo
-            # model's ZeRO-2 checkpoint is about 2 GB).
+            # Only the latest checkpoint is kept (the demo model's ZeRO-2 checkpoint is about 2 GB).
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         ),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo", timeout_s=cfg.timeout_s),
         datasets=datasets,
@@ -610,6 +775,8 @@ def train(
         final_dir = run_dir / "final_model"
         tokenizer.save_pretrained(final_dir)
     metrics = result.metrics or {}
+    per_rank = np.asarray(log["step_time_s_per_rank"].tolist(), dtype=np.float64)  # (steps, world)
+    waits = np.asarray(log["wait_s_per_rank"].tolist(), dtype=np.float64)
     return TrainResult(
         final_model_dir=final_dir,
         steps=total_steps,
@@ -619,4 +786,21 @@ def train(
         trained_path=trained_path,
         checkpoint_path=result.checkpoint.path if result.checkpoint is not None else None,
         init_seconds=float(metrics.get("init_s", float("nan"))),
+        step_time_p50_s=np.percentile(per_rank, 50, axis=0).round(4).tolist(),
+        step_time_p90_s=np.percentile(per_rank, 90, axis=0).round(4).tolist(),
+        wait_mean_s=waits.mean(axis=0).round(4).tolist(),
+        resumed_from_step=int(metrics.get("resumed_from_micro_batch", 0)) // cfg.grad_accum,
     )
+
+
+def plan_hash(plan: pd.DataFrame) -> str:
+    """sha256 (hex) of the plan's training order: ``rank, epoch, step, micro_index, example_id`` per row in
+    ``(rank, epoch, step, micro_index)`` order. A checkpoint records it, so a run resumes only its own plan."""
+    import hashlib
+
+    order = plan.sort_values(["rank", *_KEY], kind="stable")
+    h = hashlib.sha256()
+    for c in ("rank", *_KEY):
+        h.update(order[c].to_numpy(np.int64).tobytes())
+    h.update("\x00".join(order["example_id"].astype(str)).encode())
+    return h.hexdigest()

@@ -124,3 +124,50 @@ def test_world_size_beyond_local_resources_is_refused(monkeypatch):
         _check_local_resources(parse_config({"train": {"num_workers": 64}}))
     with pytest.raises(ConfigError, match="0 GPUs"):
         _check_local_resources(parse_config({"train": {"num_workers": 1, "use_gpu": True}}))
+
+
+def test_resume_after_the_driver_stopped_mid_training(tmp_path, tiny_model_dir, monkeypatch):
+    """A run whose training dies at step 3 (no restarts allowed, so the driver exits) is continued with
+    ``ray-cluster-ft run --resume RUN_DIR``: it restarts from the step-2 checkpoint and the trained log still
+    holds every planned example exactly once per epoch, in plan order."""
+    import ray
+
+    from ray_cluster_ft.cli import main
+
+    out = tmp_path / "run"
+    cfg = _config(tiny_model_dir, out).model_copy(deep=True)
+    cfg.train.grad_accum = 1  # 4 steps per epoch
+    cfg.train.checkpoint_every = 2
+    cfg.train.max_failures = 0
+    monkeypatch.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", "3")
+    with pytest.raises(Exception, match="injected failure at step 3"):
+        run_pipeline(cfg)
+    assert not ray.is_initialized()
+    assert not (out / "manifest.json").exists() and (out / "config.yaml").exists()
+    stopped_log = (out / "train_log.jsonl").read_text().splitlines()
+    assert len(stopped_log) == 2
+
+    assert main(["run", "--resume", str(out)]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["resumed"] and m["train"]["resumed_from_step"] == 2
+    assert m["checks"]["matches_plan"] and m["checks"]["once_per_epoch"]
+    log = (out / "train_log.jsonl").read_text().splitlines()
+    assert log[:2] == stopped_log and [json.loads(x)["step"] for x in log] == list(range(m["train"]["steps"]))
+    plan = pd.read_parquet(out / "plan.parquet")
+    trained = pd.read_parquet(out / "trained.parquet")
+    assert verify_trained(plan, trained)["matches_plan"]
+
+
+def test_resume_refuses_a_changed_plan_and_a_missing_run(tmp_path, tiny_model_dir, capsys):
+    from ray_cluster_ft.cli import main
+
+    assert main(["run", "--resume", str(tmp_path / "nowhere")]) == 2
+    assert "no config.yaml there" in capsys.readouterr().err
+    out = tmp_path / "run"
+    run_pipeline(_config(tiny_model_dir, out), plan_only=True)
+    spec = (out / "config.yaml").read_text()
+    assert "budget: 0.5" in spec
+    (out / "config.yaml").write_text(spec.replace("budget: 0.5", "budget: 0.4"))
+    assert main(["run", "--resume", str(out)]) == 2
+    assert "the plan computed now differs" in capsys.readouterr().err
+    assert not (out / "trained.parquet").exists()

@@ -88,6 +88,56 @@ def test_deepspeed_config_cpu_and_gpu():
         deepspeed_config(cfg, total_steps=0)
 
 
+def test_deepspeed_config_offload_and_user_json(tmp_path):
+    cfg = TrainConfig(num_workers=2, zero_stage=3, micro_batch_size=2, offload="params")
+    zero = deepspeed_config(cfg, total_steps=10)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert "offload_param" not in deepspeed_config(cfg.model_copy(update={"offload": "optimizer"}), 10)[
+        "zero_optimization"]
+
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"zero_optimization": {"overlap_comm": True, "stage": 2},
+                                "optimizer": {"params": {"eps": 1e-6}}, "gradient_clipping": 0.3}))
+    ds = deepspeed_config(TrainConfig(zero_stage=3, deepspeed_config=str(user)), total_steps=10)
+    # nested keys merge; the user's values win; untouched keys stay
+    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert ds["optimizer"]["params"]["eps"] == 1e-6 and ds["optimizer"]["params"]["torch_adam"] is True
+    assert ds["gradient_clipping"] == 0.3 and ds["train_micro_batch_size_per_gpu"] == 4
+
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 16}))
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=16 but the plan was built for 4"):
+        deepspeed_config(TrainConfig(deepspeed_config=str(user)), total_steps=10)
+
+
+def test_train_config_errors(tmp_path):
+    from ray_cluster_ft.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="offload='params' needs train.zero_stage = 3"):
+        parse_config({"train": {"zero_stage": 2, "offload": "params"}})
+    with pytest.raises(ConfigError, match="offload='optimizer' needs train.zero_stage >= 1"):
+        parse_config({"train": {"zero_stage": 0, "offload": "optimizer"}})
+    with pytest.raises(ConfigError, match="DeepSpeed config file not found"):
+        parse_config({"train": {"deepspeed_config": str(tmp_path / "missing.json")}})
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a JSON object"):
+        parse_config({"train": {"deepspeed_config": str(bad)}})
+    with pytest.raises(ConfigError, match="unknown key 'train.lora.dropuot'; did you mean 'train.lora.dropout'"):
+        parse_config({"train": {"lora": {"dropuot": 0.1}}})
+
+
+def test_plan_hash_tracks_training_order():
+    from ray_cluster_ft.train import plan_hash
+
+    plan = make_plan([f"ex{i:03d}" for i in range(16)], world=2, mbs=2, ga=1, epochs=1)
+    h = plan_hash(plan)
+    # ranks listed in another order: same training order (rows within a rank keep their order)
+    assert h == plan_hash(plan.sort_values("rank", ascending=False, kind="stable"))
+    swapped = plan.copy()
+    swapped.loc[[0, 1], "example_id"] = swapped.loc[[1, 0], "example_id"].to_numpy()
+    assert plan_hash(swapped) != h
+
+
 def test_lr_multiplier_warmup_then_linear_decay():
     # no warm-up: full lr at the first step, then (T - i) / T
     assert [lr_multiplier(i, 0, 4) for i in range(4)] == [1.0, 0.75, 0.5, 0.25]
@@ -213,13 +263,17 @@ def _state_dict_keys_and_load(model_dir, final_dir):
 
 
 @pytest.mark.slow
-def test_train_zero2_two_epochs_follows_plan(ray_cpu, tiny_model, tmp_path):
+def test_train_zero2_follows_plan_through_an_injected_failure(ray_cpu, tiny_model, tmp_path, monkeypatch):
+    """Rank 0 raises once at step 4; the group restarts from the step-2 checkpoint and still trains exactly the
+    plan: step 3, trained before the failure, is cut from the logs and trained again, nothing is skipped."""
     ex = make_examples(32)
     cfg = TrainConfig(num_workers=2, zero_stage=2, micro_batch_size=2, grad_accum=2, epochs=2, lr=1e-3,
-                      timeout_s=120)
+                      timeout_s=120, checkpoint_every=2, max_failures=1)
     plan = make_plan(ex.column("example_id").to_pylist(), world=2, mbs=2, ga=2, epochs=2, seed=1)
+    monkeypatch.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", "4")
     res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2)
 
+    assert (tmp_path / "run" / ".fault_injected").exists() and res.resumed_from_step == 2
     assert res.steps == 8
     trained = pd.read_parquet(res.trained_path)
     assert list(trained.columns) == ["rank", "step", "micro_index", "epoch", "example_id"]
@@ -245,6 +299,12 @@ def test_train_zero2_two_epochs_follows_plan(ray_cpu, tiny_model, tmp_path):
     # learning rate follows the client schedule (no warm-up: full lr first, linear decay)
     assert [row["lr"] for row in log] == pytest.approx([1e-3 * lr_multiplier(i, 0, 8) for i in range(8)])
 
+    # per-rank step-time figures, one entry per rank, from the all-gathered step log
+    assert all(len(row["step_time_s_per_rank"]) == 2 and row["step_time_s"] == pytest.approx(max(row["step_time_s_per_rank"]), abs=1e-4)
+               for row in log)
+    assert [sum(row["tokens_per_rank"]) for row in log] == want_tokens
+    assert len(res.step_time_p50_s) == 2 and all(0 < a <= b for a, b in zip(res.step_time_p50_s, res.step_time_p90_s))
+
     assert res.checkpoint_path is not None and os.listdir(res.checkpoint_path)
     assert (res.final_model_dir / "tokenizer.json").exists() or (res.final_model_dir / "tokenizer_config.json").exists()
     _state_dict_keys_and_load(tiny_model, res.final_model_dir)
@@ -252,20 +312,30 @@ def test_train_zero2_two_epochs_follows_plan(ray_cpu, tiny_model, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "stage",
-    [
-        3,
-        # ZeRO-0 takes the same save path as 1/2; about a minute more, so only with RAY_CLUSTER_FT_FULL_TESTS=1.
-        pytest.param(0, marks=pytest.mark.skipif(not os.environ.get("RAY_CLUSTER_FT_FULL_TESTS"),
-                                                 reason="set RAY_CLUSTER_FT_FULL_TESTS=1 to run")),
-    ],
+    ("stage", "lora"),
+    [(0, None), (3, None), (3, "merged"), (2, "adapter")],
+    ids=["zero0", "zero3", "zero3-lora-merged", "zero2-lora-adapter"],
 )
-def test_train_zero_stage_saves_loadable_model(ray_cpu, tiny_model, tmp_path, stage):
+def test_train_saves_loadable_model(ray_cpu, tiny_model, tmp_path, stage, lora):
+    from transformers import AutoModelForCausalLM
+
     ex = make_examples(8, seed=stage)
-    cfg = TrainConfig(num_workers=2, zero_stage=stage, micro_batch_size=2, grad_accum=1, epochs=1, lr=1e-3,
-                      timeout_s=120)
+    lora_cfg = {"enabled": lora is not None, "r": 4, "alpha": 8, "merge": lora == "merged"}
+    cfg = TrainConfig(num_workers=2, zero_stage=stage, micro_batch_size=2, grad_accum=1, epochs=1, lr=1e-2,
+                      timeout_s=120, lora=lora_cfg)
     plan = make_plan(ex.column("example_id").to_pylist(), world=2, mbs=2, ga=1, epochs=1)
     res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2)
     assert res.steps == 2
     assert math.isfinite(res.final_loss)
-    _state_dict_keys_and_load(tiny_model, res.final_model_dir)
+    if lora == "adapter":
+        import torch
+
+        assert (res.final_model_dir / "adapter_config.json").exists()
+        assert not (res.final_model_dir / "model.safetensors").exists()
+        # transformers loads an adapter folder onto its base model (peft integration)
+        tuned = AutoModelForCausalLM.from_pretrained(res.final_model_dir)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model)
+        x = torch.tensor([ex.column("input_ids")[0].as_py()])
+        assert not torch.allclose(tuned(x).logits, base(x).logits)
+    else:
+        _state_dict_keys_and_load(tiny_model, res.final_model_dir)
