@@ -1,4 +1,4 @@
-"""``ray-cluster-ft`` command line: ``run CONFIG.yaml`` and ``demo``."""
+"""ray-cluster-ft command line: run a job spec, resume a stopped run, run the demo, check a spec."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", help="run directory (default runs/demo)")
     demo.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
     check = sub.add_parser("check", help="validate a job spec and print it with defaults filled in")
-    check.add_argument("config")
+    check.add_argument("config", help="job spec (YAML) to validate")
     return p
 
 

@@ -40,7 +40,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: YAML's .inf / .nan are never a meaningful budget, rate or limit.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DataConfig(_Section):
@@ -124,6 +125,13 @@ class ClusteringConfig(_Section):
     seed: int = 0
     min_cluster_size: int = Field(2, ge=1, description="smaller clusters are merged into their nearest")
 
+    @field_validator("k", mode="before")
+    @classmethod
+    def _k_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML `true` would otherwise become k = 1
+            raise ValueError("clustering.k must be a whole number or 'auto', not a boolean")
+        return v
+
     @field_validator("k")
     @classmethod
     def _k_positive(cls, v: Any) -> Any:
@@ -140,6 +148,13 @@ class SelectionConfig(_Section):
     within: Literal["kcenter", "strata"] = "kcenter"
     dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates")
     seed: int = 0
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML `true` would otherwise become 1.0, all the data
+            raise ValueError("selection.budget must be a fraction or a count, not a boolean")
+        return v
 
     @field_validator("budget")
     @classmethod

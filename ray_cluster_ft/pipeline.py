@@ -198,6 +198,12 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
 
     spec = cfg.model_dump(mode="json")
     spec["output"]["dir"] = str(run_dir)
+    # Paths relative to where this run started would break a resume started elsewhere.
+    spec["data"]["paths"] = [str(Path(x).expanduser().resolve()) for x in cfg.data.paths]
+    for section, key in (("model", "path"), ("sketch", "model"), ("train", "deepspeed_config")):
+        value = spec[section][key]
+        if value and Path(value).expanduser().exists():
+            spec[section][key] = str(Path(value).expanduser().resolve())
     (run_dir / "config.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
 
     # ---- data (before Ray: a bad config or data fails fast)

@@ -63,3 +63,17 @@ def test_check_against_data():
         check_against_data(parse_config({"selection": {"budget": 500}}), 100)
     with pytest.raises(ConfigError, match="clustering.k=101 is above the 100"):
         check_against_data(parse_config({"clustering": {"k": 101}}), 100)
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ({"selection": {"budget": float("inf")}}, "selection.budget"),
+        ({"train": {"lr": float("nan")}}, "train.lr"),
+        ({"selection": {"budget": True}}, "not a boolean"),
+        ({"clustering": {"k": True}}, "not a boolean"),
+    ],
+)
+def test_non_finite_and_boolean_numbers_are_refused(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(raw)
