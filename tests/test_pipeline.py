@@ -158,13 +158,15 @@ def test_resume_after_the_driver_stopped_mid_training(tmp_path, tiny_model_dir, 
     assert verify_trained(plan, trained)["matches_plan"]
 
 
-def test_resume_refuses_a_changed_plan_and_a_missing_run(tmp_path, tiny_model_dir, capsys):
+def test_resume_refuses_a_changed_plan_and_a_missing_run(run, tmp_path, capsys):
+    import shutil
+
     from ray_cluster_ft.cli import main
 
     assert main(["run", "--resume", str(tmp_path / "nowhere")]) == 2
     assert "no config.yaml there" in capsys.readouterr().err
     out = tmp_path / "run"
-    run_pipeline(_config(tiny_model_dir, out), plan_only=True)
+    shutil.copytree(run[0], out, ignore=shutil.ignore_patterns("ray_train", "final_model", "trained*"))
     spec = (out / "config.yaml").read_text()
     assert "budget: 0.5" in spec
     (out / "config.yaml").write_text(spec.replace("budget: 0.5", "budget: 0.4"))
