@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import sys
 import time
 from contextlib import contextmanager
