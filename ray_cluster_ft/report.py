@@ -176,10 +176,14 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
         rows = [[name, float(f["imbalance"].mean()), float(f["imbalance"].max()), float(f["collisions"].mean()),
                  f["padding"], f["critical_path"]] for name, f in figs.items()]
         ratio = figs["plan"]["critical_path"] / figs["random baseline"]["critical_path"]
+        own = next((m for name, m in pm.items() if not name.startswith("random")), {}) if pm else {}
+        bound, bound_ratio = own.get("critical_path_bound_tokens"), own.get("critical_path_vs_bound")
         lines += ["## Allocation: plan vs random baseline", "",
                   _table(["allocation", "max/mean (mean over steps)", "max/mean (worst step)", "collisions per step",
                           "padding fraction", "critical-path tokens"], rows), "",
-                  f"Critical path of the plan: {ratio:.3f}x the random baseline's.", "",
+                  f"Critical path of the plan: {ratio:.3f}x the random baseline's"
+                  + (f"; {bound_ratio:.3f}x the lower bound for any plan of these examples "
+                     f"({bound:.0f} tokens)." if bound else "."), "",
                   "![allocation](allocation.png)", ""]
 
     log = run_dir / "train_log.jsonl"

@@ -78,6 +78,10 @@ def test_plan_properties(cluster_sizes, w, b, g, epochs, strategy, seed):
         return
     res = make_plan(ids, clusters, n_tokens, w, b, g, epochs, strategy, seed)
     _rules_hold(res, ids, clusters, n_tokens, w, b, g, epochs)
+    m = plan_metrics(res.plan, w)
+    assert m["critical_path_tokens"] >= m["critical_path_bound_tokens"] > 0  # a lower bound for every plan
+    if strategy == "length" and g == 1:
+        assert m["critical_path_vs_bound"] == 1.0  # the sorted cut is the optimum
 
 
 @settings(max_examples=60, deadline=None)
@@ -160,6 +164,102 @@ def test_cluster_plan_beats_random_on_synthetic_lengths():
         assert mc["padding_fraction"] <= 0.05 < mr["padding_fraction"]
         assert mc["critical_path_tokens"] <= 0.5 * mr["critical_path_tokens"]
         assert mc["steps"] == mr["steps"] == 2 * (n // (w * 4 * g))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mixed_micro_batches_do_not_make_clusters_tight(seed):
+    # 310 rows, 16 random clusters, W=8 (9 slots): most micro-batches mix clusters, and keying them by their
+    # majority made some cluster hold a micro-batch in nearly every slot, so its costly ones were forced into
+    # cheap slots (the previous walk: 1.04-1.11x the critical-path bound, mean imbalance 1.13-1.22). Mixed
+    # micro-batches are re-cut per slot instead; the plan must stay within 3% of the bound, collision-free.
+    rng = np.random.default_rng(seed)
+    n = 310
+    clusters = rng.integers(0, 16, n)
+    n_tokens = np.clip(np.exp(rng.normal(4.9, 0.45, n)), 60, 320).astype(int)
+    m = plan_metrics(make_plan(_ids(n), clusters, n_tokens, 8, 4).plan, 8)
+    assert m["collisions_per_step"] == 0.0
+    assert m["critical_path_vs_bound"] <= 1.03
+    assert m["token_imbalance_mean"] <= 1.11
+    assert m["padding_fraction"] <= 0.05
+
+
+def test_clusters_that_follow_length_stay_distinct():
+    # Clusters nested in length quartiles (4 per quartile) with W=8: a slot of similar lengths holds at most
+    # 4 clusters, so staying collision-free must mix quartiles; the plan keeps the clusters distinct and pays
+    # in balance (reported), never the other way round.
+    rng = np.random.default_rng(0)
+    n = 1024
+    n_tokens = np.clip(np.exp(rng.normal(5.0, 0.6, n)), 16, 2000).astype(int)
+    quartile = np.searchsorted(np.quantile(n_tokens, [0.25, 0.5, 0.75]), n_tokens)
+    clusters = quartile * 4 + rng.integers(0, 4, n)
+    m = plan_metrics(make_plan(_ids(n), clusters, n_tokens, 8, 4).plan, 8)
+    assert m["collisions_per_step"] == 0.0
+    assert m["critical_path_vs_bound"] > 1.1  # the price of distinct clusters here
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    m=st.integers(1, 8),
+    b=st.integers(1, 6),
+    n_clusters=st.integers(1, 12),
+    n_forbidden=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_repartition_gives_distinct_majorities(m, b, n_clusters, n_forbidden, seed):
+    from ray_cluster_ft.allocate import _majority, _repartition
+
+    rng = np.random.default_rng(seed)
+    rows = rng.permutation(200)[: m * b]
+    code = rng.integers(0, n_clusters, 200)
+    nt = rng.integers(1, 60, 200)  # few distinct lengths: ties are common
+    forbidden = set(rng.choice(n_clusters, size=min(n_forbidden, n_clusters), replace=False).tolist())
+    out = _repartition(rows, code, nt, forbidden, b)
+    present = set(code[rows].tolist())
+    if len(present) == rows.size and not present & forbidden:
+        assert out is not None  # all rows distinct and allowed: the consecutive cut itself is a solution
+    if len(present - forbidden) < m:
+        assert out is None  # fewer allowed clusters than micro-batches: no solution exists
+    if out is None:
+        return
+    assert out.shape == (m, b)
+    assert sorted(out.ravel().tolist()) == sorted(rows.tolist())
+    inner = np.argsort(nt[out], axis=1, kind="stable")  # as the plan orders a micro-batch
+    keys = _majority(code[np.take_along_axis(out, inner, axis=1)])
+    assert len(set(keys.tolist())) == m and not (set(keys.tolist()) & forbidden)
+
+
+def test_repartition_finds_a_cut_when_clusters_are_plenty():
+    from ray_cluster_ft.allocate import _repartition
+
+    # 4 micro-batches of 4 rows, 16 distinct clusters, one forbidden that heads no micro-batch of the
+    # consecutive cut: the in-order cut keeps that cut (no padding beyond it).
+    rows = np.arange(16)
+    code = np.arange(16)
+    nt = 100 + np.arange(16)
+    out = _repartition(rows, code, nt, {14}, 4)
+    assert out is not None
+    padded = int(nt[out].max(axis=1).sum() * 4)
+    consecutive = int(np.sort(nt)[::-1].reshape(4, 4).max(axis=1).sum() * 4)
+    assert padded == consecutive
+
+
+def test_critical_path_bound():
+    # Known answer: W=2, B=2, G=1, lengths 10, 9, 5, 4, 3, 3, 2, 1: bands of 4 are (10, 9, 5, 4) and
+    # (3, 3, 2, 1); the bound is B x (10 + 3) = 26 (> real tokens / W = 18.5), and the length plan meets it.
+    ids = _ids(8)
+    n_tokens = np.array([3, 10, 2, 9, 5, 1, 4, 3])
+    res = make_plan(ids, np.zeros(8, int), n_tokens, 2, 2, strategy="length")
+    m = plan_metrics(res.plan, 2)
+    assert m["critical_path_bound_tokens"] == 26
+    assert m["critical_path_tokens"] == 26 and m["critical_path_vs_bound"] == 1.0
+    rd = plan_metrics(make_plan(ids, np.zeros(8, int), n_tokens, 2, 2, strategy="random", seed=1).plan, 2)
+    assert rd["critical_path_bound_tokens"] == 26 and rd["critical_path_tokens"] >= 26
+    # One step of all 8 rows (G=2): max(real / W = 18.5, B x 10 = 20) = 20. With B=1, G=4 the real-token
+    # term binds: max(18.5, 1 x 10) = 18.5.
+    g2 = plan_metrics(make_plan(ids, np.zeros(8, int), n_tokens, 2, 2, 2, strategy="length").plan, 2)
+    assert g2["critical_path_bound_tokens"] == 20
+    g4 = plan_metrics(make_plan(ids, np.zeros(8, int), n_tokens, 2, 1, 4, strategy="length").plan, 2)
+    assert g4["critical_path_bound_tokens"] == 18.5 and g4["critical_path_tokens"] >= 18.5
 
 
 def test_slots_are_shuffled_across_the_epoch():
@@ -345,12 +445,27 @@ def real_selection():
     return ids, labels[chosen], n_tokens
 
 
-def _sorted_cost_reference(plan: pd.DataFrame, world_size: int) -> float:
-    """Mean per-step max/mean of the plan's own micro-batches regrouped W at a time in sorted cost order,
-    ignoring clusters: what grad_accum=1 can reach at best with these micro-batches."""
-    mb = plan.groupby(["step", "rank", "micro_index"])["n_tokens"].agg(["size", "max"])
-    cost = np.sort((mb["size"] * mb["max"]).to_numpy()).reshape(-1, world_size)
+def _sorted_cut_reference(plan: pd.DataFrame, world_size: int, b: int = 4) -> float:
+    """Mean per-step max/mean of the cluster-blind cut with the shortest possible critical path (G = 1): the
+    plan's kept lengths sorted, consecutive micro-batches of B, consecutive W per step. Any plan that keeps
+    that critical path holds exactly these steps; lowering their imbalance further only pads the lighter ranks
+    (more padded tokens, no shorter step)."""
+    lengths = np.sort(plan[plan["epoch"] == 0]["n_tokens"].to_numpy())[::-1]
+    cost = b * lengths.reshape(-1, world_size, b).max(axis=2)
     return float((cost.max(axis=1) / cost.mean(axis=1)).mean())
+
+
+def _goals(mc: dict, mr: dict, reference: float, world_size: int) -> None:
+    """Issue 4's goals on real lengths (random cluster labels, so clusters and lengths are independent)."""
+    assert mc["collisions_per_step"] == 0.0
+    assert mc["padding_fraction"] <= 0.05
+    assert mc["critical_path_vs_bound"] <= 1.02  # within 2% of the best any plan can do
+    # Goal 1.05. Where even the cluster-blind optimum misses it (one 5,402-token example among 8 ranks; the
+    # demo's 9 steps of 32 rows), the bar is that optimum: the clusters must cost nothing on top.
+    assert mc["token_imbalance_mean"] <= max(1.05, reference)
+    if world_size == 4:
+        assert mc["token_imbalance_mean"] <= 1.05
+    assert mc["critical_path_tokens"] < mr["critical_path_tokens"]
 
 
 @pytest.mark.parametrize("max_seq_len", [None, 2048])
@@ -363,19 +478,15 @@ def test_real_lengths_cluster_plan_vs_random(real_selection, world_size, max_seq
     rd = make_plan(ids, labels, n_tokens, world_size, 4, strategy="random", seed=0)
     mc, mr = plan_metrics(cl.plan, world_size), plan_metrics(rd.plan, world_size)
     cp_ratio = mc["critical_path_tokens"] / mr["critical_path_tokens"]
-    reference = _sorted_cost_reference(cl.plan, world_size)
+    reference = _sorted_cut_reference(cl.plan, world_size)
     print(
         f"\nW={world_size} max_seq_len={max_seq_len} cluster {json.dumps(mc)}\n"
         f"W={world_size} max_seq_len={max_seq_len} random  {json.dumps(mr)}\n"
-        f"critical-path ratio {cp_ratio:.3f}; sorted-cost reference imbalance {reference:.4f}"
+        f"critical-path ratio {cp_ratio:.3f}; sorted-cut reference imbalance {reference:.4f}"
     )
-    assert mc["collisions_per_step"] == 0.0
-    assert mc["padding_fraction"] <= 0.05
+    _goals(mc, mr, reference, world_size)
     assert cp_ratio <= 0.35
-    # Goal 1.05; with one 5,402-token example and 8 ranks, even sorted regrouping of the micro-batches
-    # cannot reach it at grad_accum=1, so the bar is then that reference (plus 1%).
-    assert mc["token_imbalance_mean"] <= max(1.05, reference + 0.01)
-    if max_seq_len is not None or world_size == 4:
+    if max_seq_len is not None:
         assert mc["token_imbalance_mean"] <= 1.05
     assert mr["padding_fraction"] > 0.3  # real lengths: a random split wastes a large share on padding
     assert mr["token_imbalance_mean"] > 1.3
@@ -406,9 +517,9 @@ def test_demo_lengths_cluster_plan_vs_random(demo_selection, world_size):
 
     The 0.35x critical-path goal is out of reach here for any plan: random's padding is only about 32% on
     these length-capped rows, so even a perfect plan (no padding, equal loads: real tokens / W per step)
-    has 0.53x (W=4) and 0.48x (W=8) of random's critical path. The test bounds the plan against that ideal.
-    With W=8 there are only 9 steps of 8 micro-batches from 16 clusters; keeping the 8 clusters of a step
-    distinct costs balance there (1.22 measured; 1.07 for the same micro-batches regrouped ignoring clusters).
+    has 0.53x (W=4) and 0.48x (W=8) of random's critical path; the plan must come within 2% of the bound.
+    With W=8 there are only 9 steps of 32 rows, and the widest length band (the top one) alone keeps even
+    the cluster-blind optimum at 1.07 mean imbalance: the plan must not be worse than that.
     """
     ids, labels, n_tokens = demo_selection
     cl = make_plan(ids, labels, n_tokens, world_size, 4, seed=0)
@@ -416,18 +527,13 @@ def test_demo_lengths_cluster_plan_vs_random(demo_selection, world_size):
     mc, mr = plan_metrics(cl.plan, world_size), plan_metrics(rd.plan, world_size)
     ideal = cl.plan["n_tokens"].sum() / world_size  # lower bound of any plan's critical path
     cp_ratio = mc["critical_path_tokens"] / mr["critical_path_tokens"]
+    reference = _sorted_cut_reference(cl.plan, world_size)
     print(
         f"\ndemo W={world_size} cluster {json.dumps(mc)}\ndemo W={world_size} random  {json.dumps(mr)}\n"
         f"critical-path ratio {cp_ratio:.3f}; ideal ratio {ideal / mr['critical_path_tokens']:.3f}; "
-        f"sorted-cost reference imbalance {_sorted_cost_reference(cl.plan, world_size):.4f}"
+        f"sorted-cut reference imbalance {reference:.4f}"
     )
-    assert mc["collisions_per_step"] == 0.0
-    assert mc["padding_fraction"] <= 0.05
+    _goals(mc, mr, reference, world_size)
     assert mr["padding_fraction"] > 0.25
-    assert mc["critical_path_tokens"] < mr["critical_path_tokens"]
-    if world_size == 4:
-        assert mc["token_imbalance_mean"] <= 1.05
-        assert mc["critical_path_tokens"] <= 1.1 * ideal
-    else:
-        assert mc["token_imbalance_mean"] <= 1.25 < mr["token_imbalance_mean"]
-        assert mc["critical_path_tokens"] <= 1.3 * ideal
+    assert mc["critical_path_tokens"] <= 1.12 * ideal
+    assert mc["token_imbalance_mean"] < mr["token_imbalance_mean"]
