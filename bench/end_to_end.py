@@ -4,17 +4,18 @@ One model (the demo SmolLM2-135M-Instruct), one dataset, the same epochs and hyp
 each arm is one ``ray_cluster_ft.pipeline.run_pipeline`` run that differs only in its selection, allocation
 and sketch settings:
 
-==================  ===========================  ==========  ==========  ===========
-arm                 what                         selection   allocation  sketch
-==================  ===========================  ==========  ==========  ===========
-full_random         1. the conventional baseline full        random      (none)
-random_subset       2. random subset at budget   random      random      (none)
-balanced_cluster    3. the method                balanced    cluster     gradient
-balanced_random     ablation: selection only     balanced    random      gradient
-full_cluster        ablation: allocation only    full        cluster     gradient
-full_length         ablation: group by length    full        length      (none)
-embedding           ablation: embedding sketches balanced    cluster     embedding
-==================  ===========================  ==========  ==========  ===========
+=====================  ============================  =========  ==========  ==============
+arm                    what                          selection  allocation  sketch
+=====================  ============================  =========  ==========  ==============
+full_random            1. the conventional baseline  full       random      (none)
+random_subset          2. random subset at budget    random     random      (none)
+balanced_cluster       3. the method                 balanced   cluster     gradient
+balanced_random        ablation: selection only      balanced   random      gradient
+full_cluster           ablation: allocation only     full       cluster     gradient
+full_length            ablation: group by length     full       length      (none)
+embedding              ablation: embedding sketches  balanced   cluster     embedding
+balanced_cluster_bf16  3 with a bf16 sketch          balanced   cluster     gradient, bf16
+=====================  ============================  =========  ==========  ==============
 
 Data: a seeded sample of ``--examples`` rows from each of four real sources, written as JSONL files into
 ``OUT/data`` and read with ``data.source: files``: the demo's HumanEval and MMLU-medical rows (packages
@@ -71,7 +72,11 @@ ARMS = {
     "full_cluster": ("full data, cluster allocation", "full", "cluster", "gradient"),
     "full_length": ("full data, grouped by length", "full", "length", None),
     "embedding": ("balanced (embedding sketches), cluster allocation", "balanced", "cluster", "embedding"),
+    "balanced_cluster_bf16": ("3 with the sketch under bf16 autocast", "balanced", "cluster", "gradient"),
 }
+# Sketch settings an arm changes (the rest are shared): bf16 autocast is what `sketch.dtype: auto` does on CUDA;
+# on a CPU with native bf16 (AVX512-BF16, AMX) it sketches several times faster than fp32.
+ARM_SKETCH = {"balanced_cluster_bf16": {"dtype": "bfloat16"}}
 STAGES = ["data", "sketch", "cluster", "select", "allocate", "evaluate_before", "train", "evaluate_after", "total"]
 SELECTION_PASS = ["sketch", "cluster", "select", "allocate"]
 
@@ -159,6 +164,7 @@ def arm_config(arm: str, args, seed: int, paths: list[str], run_dir: Path, budge
     sketch = {"last_blocks": 4, "k_in": 16, "k_out": 16, "dim": 256, "seed": seed, "batch_size": 8}
     if method is not None:
         sketch["method"] = method
+    sketch.update(ARM_SKETCH.get(arm, {}))
     return {
         "data": {"source": "files", "paths": paths, "limit": args.examples, "max_seq_len": args.max_seq_len,
                  "overlong": "truncate", "eval_fraction": args.eval_fraction, "max_eval": args.max_eval,
@@ -234,7 +240,8 @@ def run_arm(arm: str, args, seed: int, paths: list[str], out: Path, budget: floa
     from ray_cluster_ft.pipeline import run_pipeline
 
     run_dir = out / f"seed{seed}" / arm
-    reuse = sketch_donor is not None and ARMS[arm][3] == "gradient" and "timings_s" in sketch_donor
+    reuse = (sketch_donor is not None and ARMS[arm][3] == "gradient" and arm not in ARM_SKETCH
+             and "timings_s" in sketch_donor)
     if reuse:
         shutil.rmtree(run_dir / "sketches", ignore_errors=True)
         shutil.copytree(Path(sketch_donor["run_dir"]) / "sketches", run_dir / "sketches")
@@ -470,6 +477,11 @@ def headline(summary: dict, args, seeds: list[int]) -> dict:
         "loss_arm1": mean("full_random", "loss_all"),
         "loss_arm2": mean("random_subset", "loss_all"),
         "loss_arm3": mean("balanced_cluster", "loss_all"),
+        # The method with its sketch under bf16 autocast (what `sketch.dtype: auto` does on CUDA).
+        "train_ratio_bf16_sketch": mean("balanced_cluster_bf16", "train_ratio"),
+        "e2e_ratio_bf16_sketch": mean("balanced_cluster_bf16", "e2e_ratio"),
+        "loss_gap_bf16_sketch": None if mean("balanced_cluster_bf16", "loss_ratio") is None
+        else mean("balanced_cluster_bf16", "loss_ratio") - 1,
     }
     fig.update(epochs=args.epochs, examples=args.examples, seeds=seeds, max_seq_len=args.max_seq_len,
                budget=args.budget, quick=bool(args.quick), date=dt.datetime.now().astimezone().isoformat(timespec="seconds"))
