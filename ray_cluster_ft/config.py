@@ -39,6 +39,15 @@ class ConfigError(ValueError):
     """A job config that cannot run: unknown key, wrong type, or impossible combination of values."""
 
 
+# Every seed reaches numpy / scikit-learn, which take seeds in [0, 2**32): check the range here, not after the
+# sketch stage.
+_SEED_MAX = 2**32 - 1
+
+
+def _seed(description: str = "random seed") -> Any:
+    return Field(0, ge=0, le=_SEED_MAX, description=f"{description}, 0..2**32-1")
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: YAML's .inf / .nan are never a meaningful budget, rate or limit.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -59,12 +68,29 @@ class DataConfig(_Section):
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of accepted rows held out")
     max_eval: int = Field(128, ge=0, description="cap on held-out rows")
     limit: int | None = Field(None, ge=1, description="read at most this many rows per source (demo sizing)")
-    seed: int = 0
+    seed: int = _seed("held-out split and demo sample seed")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _source_from_paths(cls, v: Any) -> Any:
+        # A spec that lists files means those files: without this, the default source (the demo data) would
+        # train on something else than the user asked for, silently.
+        if isinstance(v, dict) and "source" not in v and v.get("paths"):
+            return {**v, "source": "files"}
+        return v
+
+    @field_validator("paths")
+    @classmethod
+    def _expand_user(cls, v: list[str]) -> list[str]:
+        return [str(Path(x).expanduser()) for x in v]
 
     @model_validator(mode="after")
     def _paths_for_files(self) -> "DataConfig":
         if self.source == "files" and not self.paths:
             raise ValueError("data.source is 'files' but data.paths is empty")
+        if self.source == "demo" and self.paths:
+            raise ValueError("data.source is 'demo' (the built-in data) but data.paths lists files; set "
+                             "data.source: files to read them, or drop data.paths")
         return self
 
 
@@ -101,7 +127,7 @@ class SketchConfig(_Section):
     k_in: int = Field(16, ge=1)
     k_out: int = Field(16, ge=1)
     dim: int = Field(256, ge=2, description="final gradient-sketch size (embeddings keep the encoder's size)")
-    seed: int = 0
+    seed: int = _seed("projection seed")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     batch_size: int = Field(8, ge=1, description="examples per forward/backward")
     max_tokens_per_batch: int | None = Field(
@@ -122,7 +148,7 @@ class ClusteringConfig(_Section):
     """Spherical k-means on the sketches."""
 
     k: Union[int, Literal["auto"]] = "auto"
-    seed: int = 0
+    seed: int = _seed("k-means seed")
     min_cluster_size: int = Field(2, ge=1, description="smaller clusters are merged into their nearest")
 
     @field_validator("k", mode="before")
@@ -147,7 +173,7 @@ class SelectionConfig(_Section):
     budget: float = Field(0.31, gt=0, description="fraction in (0, 1], or a count of examples if > 1")
     within: Literal["kcenter", "strata"] = "kcenter"
     dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates")
-    seed: int = 0
+    seed: int = _seed("selection seed")
 
     @field_validator("budget", mode="before")
     @classmethod
@@ -170,7 +196,7 @@ class AllocationConfig(_Section):
     trainers; needs no sketches). See :func:`.allocate.make_plan`."""
 
     strategy: Literal["cluster", "random", "length"] = "cluster"
-    seed: int = 0
+    seed: int = _seed("allocation seed")
 
 
 class LoraConfig(_Section):
@@ -207,7 +233,7 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     log_every: int = Field(1, ge=1)
-    seed: int = 0
+    seed: int = _seed("torch seed of the workers")
     timeout_s: int = Field(1800, ge=10, description="collective-op timeout of the process group")
     lora: LoraConfig = Field(default_factory=LoraConfig)
     offload: Literal["none", "optimizer", "params"] = Field(
@@ -225,6 +251,23 @@ class TrainConfig(_Section):
             raise ValueError("train.offload='optimizer' needs train.zero_stage >= 1")
         if self.offload == "params" and self.zero_stage != 3:
             raise ValueError("train.offload='params' needs train.zero_stage = 3")
+        return self
+
+    @model_validator(mode="after")
+    def _deepspeed_batch_keys(self) -> "TrainConfig":
+        if self.deepspeed_config is None:
+            return self
+        import json
+
+        user = json.loads(Path(self.deepspeed_config).read_text(encoding="utf-8"))
+        plan = {"train_micro_batch_size_per_gpu": self.micro_batch_size,
+                "gradient_accumulation_steps": self.grad_accum,
+                "train_batch_size": self.micro_batch_size * self.grad_accum * self.num_workers}
+        for key, want in plan.items():
+            if key in user and user[key] != want:
+                raise ValueError(
+                    f"the DeepSpeed config {self.deepspeed_config} sets {key}={user[key]!r} but the plan needs "
+                    f"{want!r}; set train.micro_batch_size / train.grad_accum / train.num_workers instead")
         return self
 
     @field_validator("deepspeed_config")
@@ -333,6 +376,26 @@ def parse_config(raw: dict | None) -> JobConfig:
         raise ConfigError(_format_errors(err)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping: PyYAML keeps the last one silently, so
+    a second ``train:`` section would drop the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` is flattened by SafeLoader itself
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: let SafeLoader raise its own error
+                break
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path, overrides: dict | None = None) -> JobConfig:
     """Read a YAML job spec and validate it.
 
@@ -347,7 +410,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> JobConfig:
     if not p.is_file():
         raise ConfigError(f"job config not found: {p}")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ConfigError(f"job config {p} is not valid YAML: {err}") from None
     except RecursionError:
@@ -391,7 +454,8 @@ def check_against_data(cfg: JobConfig, n_train: int) -> None:
     b = cfg.selection.budget
     if cfg.selection.strategy != "full" and b > 1 and b > n_train:
         raise ConfigError(f"selection.budget={int(b)} is above the {n_train} accepted training examples")
-    if isinstance(cfg.clustering.k, int) and cfg.clustering.k > n_train:
+    clusters = cfg.selection.strategy == "balanced" or cfg.allocation.strategy == "cluster"
+    if clusters and isinstance(cfg.clustering.k, int) and cfg.clustering.k > n_train:
         raise ConfigError(f"clustering.k={cfg.clustering.k} is above the {n_train} accepted training examples")
     n_sel = n_train if cfg.selection.strategy == "full" else budget_count(b, n_train)
     per_step = t.num_workers * t.micro_batch_size * t.grad_accum

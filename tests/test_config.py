@@ -77,3 +77,63 @@ def test_check_against_data():
 def test_non_finite_and_boolean_numbers_are_refused(raw, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(raw)
+
+
+def test_data_paths_mean_files_and_demo_with_paths_is_refused(tmp_path, monkeypatch):
+    # Listing files without data.source once trained on the built-in demo data instead, silently.
+    cfg = parse_config({"data": {"paths": ["a.jsonl"]}})
+    assert cfg.data.source == "files" and cfg.data.paths == ["a.jsonl"]
+    with pytest.raises(ConfigError, match="data.source is 'demo' .* but data.paths lists files"):
+        parse_config({"data": {"source": "demo", "paths": ["a.jsonl"]}})
+    assert parse_config({}).data.source == "demo"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert parse_config({"data": {"paths": ["~/x.jsonl"]}}).data.paths == [str(tmp_path / "x.jsonl")]
+
+
+@pytest.mark.parametrize("section", ["data", "sketch", "clustering", "selection", "allocation", "train"])
+@pytest.mark.parametrize("seed, ok", [(0, True), (2**32 - 1, True), (-1, False), (2**32, False)])
+def test_seeds_are_checked_with_the_config(section, seed, ok):
+    # numpy / scikit-learn take seeds in [0, 2**32): a bad one used to fail after the sketch stage.
+    raw = {section: {"seed": seed}}
+    if ok:
+        assert getattr(parse_config(raw), section).seed == seed
+    else:
+        with pytest.raises(ConfigError, match=f"{section}.seed: Input should be"):
+            parse_config(raw)
+
+
+def test_duplicate_yaml_keys_are_refused(tmp_path):
+    spec = tmp_path / "dup.yaml"
+    spec.write_text("train:\n  epochs: 3\nselection:\n  budget: 0.5\ntrain:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match="duplicate key 'train' \\(first on line 1\\)"):
+        load_config(spec)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("train:\n  epochs: 3\n  epochs: 4\n")
+    with pytest.raises(ConfigError, match="duplicate key 'epochs' \\(first on line 2\\)"):
+        load_config(nested)
+    apart = tmp_path / "apart.yaml"  # the same key in different mappings, and a merge key, are fine
+    apart.write_text("train:\n  seed: 1\nselection: &s\n  seed: 1\nallocation:\n  <<: *s\n  strategy: length\n")
+    cfg = load_config(apart)
+    assert (cfg.train.seed, cfg.selection.seed, cfg.allocation.seed, cfg.allocation.strategy) == (1, 1, 1, "length")
+
+
+def test_deepspeed_batch_keys_are_checked_with_the_config(tmp_path):
+    import json
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3}}))
+    with pytest.raises(ConfigError, match="sets train_micro_batch_size_per_gpu=8 but the plan needs 4"):
+        parse_config({"train": {"deepspeed_config": str(ds)}})
+    assert parse_config({"train": {"deepspeed_config": str(ds), "micro_batch_size": 8}}).train.micro_batch_size == 8
+    ds.write_text(json.dumps({"train_batch_size": 16}))
+    with pytest.raises(ConfigError, match="train_batch_size=16 but the plan needs 8"):
+        parse_config({"train": {"deepspeed_config": str(ds)}})
+    assert parse_config({"train": {"deepspeed_config": str(ds), "num_workers": 4}}).train.num_workers == 4
+
+
+def test_clustering_k_only_checked_where_clustering_runs():
+    cfg = parse_config({"clustering": {"k": 100}, "selection": {"strategy": "random"},
+                        "allocation": {"strategy": "length"}})
+    check_against_data(cfg, 50)  # no clustering runs: k is unused
+    with pytest.raises(ConfigError, match="clustering.k=100 is above the 50"):
+        check_against_data(parse_config({"clustering": {"k": 100}}), 50)

@@ -18,6 +18,7 @@ from ray_cluster_ft.train import (
     build_rank_tables,
     deepspeed_config,
     lr_multiplier,
+    merge_deepspeed_config,
     pad_micro_batch,
     train,
 )
@@ -105,8 +106,13 @@ def test_deepspeed_config_offload_and_user_json(tmp_path):
     assert ds["gradient_clipping"] == 0.3 and ds["train_micro_batch_size_per_gpu"] == 4
 
     user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 16}))
+    # refused when the config is read, before any stage runs ...
+    with pytest.raises(ValueError, match="sets train_micro_batch_size_per_gpu=16 but the plan needs 4"):
+        TrainConfig(deepspeed_config=str(user))
+    # ... and again at merge time, in case the file changed after the config was parsed
+    base = deepspeed_config(TrainConfig(), total_steps=10)
     with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=16 but the plan was built for 4"):
-        deepspeed_config(TrainConfig(deepspeed_config=str(user)), total_steps=10)
+        merge_deepspeed_config(base, {"train_micro_batch_size_per_gpu": 16})
 
 
 def test_train_config_errors(tmp_path):
