@@ -174,19 +174,21 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
 
     A JSONL line that is not valid UTF-8 or not valid JSON, or that is not a JSON object, yields a
     :class:`Rejection` instead of a row (so does a line nested too deeply or holding an integer too long for
-    Python to parse); blank lines are skipped and a UTF-8 byte-order mark on line 1 is dropped. Positions are
-    1-based line numbers for JSONL and 0-based row indices for Parquet. Parquet rows are returned as dicts
+    Python to parse); blank lines are skipped and a UTF-8 byte-order mark on line 1 is dropped. A ``.json``
+    file whose first character is ``[`` is one JSON array of rows (an element that is not an object is
+    rejected); any other ``.json`` file is read as JSON Lines. Positions are 1-based line numbers for JSON
+    Lines and 0-based indices for a JSON array and for Parquet rows. Parquet rows are returned as dicts
     whatever their column types; :func:`canonicalize` judges them.
 
     Raises:
-        FileNotFoundError: the file does not exist.
+        FileNotFoundError: the file does not exist, or is a directory.
         ConfigError (a ``ValueError``, so ``ray-cluster-ft run`` prints it as one line): the extension is
-            neither ``.jsonl``/``.json``/``.ndjson``/``.jsonl.gz`` nor ``.parquet``, or the file cannot be read
-            as a whole (corrupt Parquet, corrupt or truncated gzip); the message names the file.
+            neither ``.jsonl``/``.json``/``.ndjson``/``.jsonl.gz`` nor ``.parquet``; the file cannot be read as
+            a whole (corrupt Parquet, corrupt or truncated gzip, a JSON array that does not parse); or it is
+            UTF-16/32 (a byte-order mark); the message names the file.
     """
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"data file not found: {p}")
+    _require_file(p)
     src = str(p)
     name = p.name.lower()
     count = 0
@@ -194,8 +196,22 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
         yield from _iter_parquet_rows(p, limit)
         return
     if not name.endswith((".jsonl", ".json", ".jsonl.gz", ".ndjson")):
-        raise ConfigError(f"unsupported data file type: {p} (use .jsonl or .parquet)")
+        raise ConfigError(f"unsupported data file type: {p} (use .jsonl, .ndjson, .jsonl.gz, .json or .parquet)")
     opener = gzip.open if name.endswith(".gz") else open
+    try:
+        with opener(p, "rb") as fh:
+            head = fh.read(4)
+    except (OSError, EOFError, gzip.BadGzipFile) as err:
+        raise ConfigError(f"cannot read data file {p}: {err}") from None
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        # Every line would be rejected as bad UTF-8; the file, not its rows, is what needs fixing.
+        raise ConfigError(f"data file {p} is UTF-16 or UTF-32 encoded (byte-order mark {head[:2].hex()}); "
+                          f"save it as UTF-8")
+    if name.endswith(".json"):
+        array = _json_array(p)
+        if array is not None:
+            yield from ((src, i, _as_row(src, i, row)) for i, row in enumerate(array[:limit]))
+            return
     try:
         with opener(p, "rb") as fh:
             for lineno, raw in enumerate(fh, start=1):
@@ -212,6 +228,43 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
         raise ConfigError(f"cannot read data file {p}: {err}") from None
 
 
+def _require_file(p: Path) -> None:
+    if p.is_dir():
+        raise FileNotFoundError(f"data path is a directory, not a file: {p} (list its files in data.paths)")
+    if not p.is_file():
+        raise FileNotFoundError(f"data file not found: {p}")
+
+
+def _json_array(p: Path) -> list | None:
+    """The rows of a ``.json`` file holding one JSON array (the Alpaca-style layout), or None when the file
+    is JSON Lines after all (its first non-blank character is not ``[``).
+
+    Raises:
+        ConfigError: the file starts like an array but is not valid JSON (a file-level problem: no row of it
+            can be told apart from the next).
+    """
+    data = p.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    if not data.lstrip().startswith(b"["):
+        return None
+    try:
+        array = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"data file {p} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as err:
+        raise ConfigError(f"data file {p} starts a JSON array but is not valid JSON: {err}") from None
+    if not isinstance(array, list):
+        return None
+    return array
+
+
+def _as_row(src: str, position: int, row: Any) -> Any:
+    if not isinstance(row, dict):
+        return Rejection(src, position, f"not a JSON object: {_JSON_TYPES.get(type(row), type(row).__name__)}", row)
+    return row
+
+
 def _parse_jsonl_line(src: str, lineno: int, raw: bytes) -> Any:
     """One non-blank JSONL line -> a dict row, or a :class:`Rejection` with the reason."""
     try:
@@ -226,9 +279,7 @@ def _parse_jsonl_line(src: str, lineno: int, raw: bytes) -> Any:
         return Rejection(src, lineno, "malformed JSON: nested too deeply", text[:2000])
     except ValueError as err:  # e.g. an integer literal above Python's 4,300-digit limit
         return Rejection(src, lineno, f"malformed JSON: {err}", text[:2000])
-    if not isinstance(row, dict):
-        return Rejection(src, lineno, f"not a JSON object: {_JSON_TYPES.get(type(row), type(row).__name__)}", row)
-    return row
+    return _as_row(src, lineno, row)
 
 
 _JSON_TYPES = {str: "string", list: "array", type(None): "null", int: "number", float: "number", bool: "boolean"}
@@ -449,8 +500,7 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         rows: Iterable = iter_demo_rows(cfg.limit, cfg.seed)
     else:
         for p in cfg.paths:  # fail on a missing file before reading anything
-            if not Path(p).is_file():
-                raise FileNotFoundError(f"data file not found: {p}")
+            _require_file(Path(p))
 
         def _chain():
             for p in cfg.paths:
@@ -508,6 +558,9 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         if len(pending) >= tokenize_chunk:
             flush()
     flush()
+    # Duplicates are found when their tokenizer chunk finishes: put every rejection back in input order.
+    order = {src: i for i, src in enumerate(sources)}
+    rejected.sort(key=lambda r: (order.get(r.source, len(order)), r.position))
 
     table = pa.table(cols, schema=EXAMPLE_SCHEMA)
     held = _held_out(cols["example_id"], cols["domain"], cfg.eval_fraction, cfg.max_eval, cfg.seed)

@@ -173,6 +173,26 @@ def load_model(path: str, trust_remote_code: bool = False, dtype=None):
     )
 
 
+def linear_module_names(path: str, trust_remote_code: bool = False) -> list[str]:
+    """Dotted names of every ``nn.Linear`` in the causal LM at ``path``, without loading its weights (the
+    model is built on the meta device from its config), so module patterns can be checked before any Ray
+    work.
+
+    Args:
+        path: a local Hugging Face folder (``resolve_model_path`` output) or a hub id.
+
+    Raises:
+        OSError: as ``AutoConfig.from_pretrained`` for an unreadable folder or unknown id.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
 def make_tiny_model(dest: str | Path, hidden_size: int = 32, num_layers: int = 2, seed: int = 0) -> Path:
     """Write a tiny randomly initialised Llama model with the demo tokenizer to ``dest`` (for tests).
 

@@ -131,6 +131,85 @@ def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id:
     )
 
 
+RUN_MARKER = ".ray-cluster-ft-run"
+# What a fresh run replaces: the artifacts of training and evaluation (sketch shards are kept, by key).
+_STALE = ["trained", "final_model", "ray_train", "warmup", "trained.parquet", "train_log.jsonl", "eval_before.json",
+          "loss.png"]
+
+
+def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
+    """Create (or check) the run directory before anything is written into it.
+
+    A fresh run into an existing run directory replaces that run's training artifacts (``_STALE``), so a
+    plan-only run never leaves an older model beside its new plan. A directory that holds other files (the
+    current directory, a data folder) is refused: the training stage deletes folders inside the run directory.
+
+    Raises:
+        ConfigError: ``run_dir`` is a file, or a non-empty directory that no run of this tool wrote.
+    """
+    import shutil
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"output.dir {run_dir} is a file, not a directory")
+    if run_dir.is_dir():
+        entries = sorted(x.name for x in run_dir.iterdir())
+        ours = any((run_dir / m).exists() for m in (RUN_MARKER, "manifest.json", "examples.parquet"))
+        if entries and not ours:
+            raise ConfigError(f"output.dir {run_dir} already holds files that no ray-cluster-ft run wrote (e.g. "
+                              f"{entries[0]!r}); use a new or empty directory (the run replaces folders in it)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_MARKER).touch()
+    if not resume:
+        for name in _STALE:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _check_module_patterns(cfg: JobConfig, model_path: str, need_sketch: bool) -> None:
+    """Every LoRA target and sketched module pattern must name an ``nn.Linear`` of its model: a typo would
+    otherwise fail inside the Ray workers (retried ``max_failures`` times) or silently sketch fewer modules.
+
+    Raises:
+        ConfigError: naming the patterns that match nothing and the valid suffixes.
+    """
+    from .model import linear_module_names, resolve_model_path
+
+    checks = []
+    if cfg.train.lora.enabled:
+        checks.append(("train.lora.target_modules", cfg.train.lora.target_modules, model_path))
+    if need_sketch and cfg.sketch.method == "gradient":
+        sketch_model = resolve_model_path(cfg.sketch.model) if cfg.sketch.model else model_path
+        checks.append(("sketch.modules", cfg.sketch.modules, sketch_model))
+    names_of: dict[str, list[str]] = {}
+    for key, patterns, path in checks:
+        if path not in names_of:
+            try:
+                names_of[path] = linear_module_names(path, cfg.model.trust_remote_code)
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"cannot read the model config of {path!r} to check {key}: {err}") from None
+        names = names_of[path]
+        missing = [p for p in patterns if not any(n == p or n.endswith("." + p) for n in names)]
+        if missing:
+            suffixes = sorted({n.rsplit(".", 1)[-1] for n in names})
+            raise ConfigError(f"{key}: {', '.join(map(repr, missing))} match no nn.Linear of {path} (module name "
+                              f"suffixes there: {', '.join(suffixes)})")
+
+
+def _clustering_warning(k: int, n_merged: int, world_size: int, min_cluster_size: int) -> str | None:
+    """The sentence the run prints (and the manifest and report keep) when clustering left fewer clusters
+    than ranks: then the W micro-batches of a step cannot all come from distinct clusters."""
+    if k >= world_size:
+        return None
+    merged = (f" after merging {n_merged} clusters smaller than clustering.min_cluster_size={min_cluster_size}"
+              if n_merged else "")
+    return (f"{k} cluster{'s' if k != 1 else ''}{merged}, fewer than the {world_size} ranks: the ranks of a step "
+            f"cannot all train different clusters (see plan_metrics.collisions_per_step); use more data, a "
+            f"smaller clustering.min_cluster_size or a larger clustering.k")
+
+
 def verify_trained(plan: pd.DataFrame, trained: pd.DataFrame) -> dict:
     """Check the trained-ids log against the plan.
 
@@ -181,7 +260,7 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     from .model import load_tokenizer, resolve_model_path
 
     run_dir = Path(cfg.output.dir).expanduser().resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _prepare_run_dir(run_dir, resume)
     timer = _Timer()
     t_start = time.perf_counter()
     manifest: dict = {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "argv": sys.argv,
@@ -232,6 +311,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         )
     n_train = data.train.num_rows
     check_against_data(cfg, n_train)
+    need_sketch = cfg.selection.strategy == "balanced" or cfg.allocation.strategy == "cluster"
+    _check_module_patterns(cfg, model_path, need_sketch)
 
     started_ray = _init_ray(address, cfg.train.use_gpu)
     try:
@@ -242,7 +323,6 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         ids = np.asarray(data.train.column("example_id").to_pylist())
         n_tokens = np.asarray(data.train.column("n_tokens").to_numpy(), dtype=np.int64)
         W = cfg.train.num_workers
-        need_sketch = cfg.selection.strategy == "balanced" or cfg.allocation.strategy == "cluster"
 
         # ---- sketch
         if need_sketch:
@@ -278,6 +358,10 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
                                          "distance": dist.astype(np.float32)}), run_dir / "clusters.parquet")
             manifest["clustering"] = {"k": int(cres.k), "merged_small_clusters": int(cres.n_merged_clusters),
                                       "sizes": np.bincount(labels).tolist()}
+            warning = _clustering_warning(cres.k, cres.n_merged_clusters, W, cfg.clustering.min_cluster_size)
+            if warning:
+                manifest["clustering"]["warning"] = warning
+                print(f"[ray-cluster-ft] warning: {warning}", flush=True)
         else:
             sketches = np.zeros((len(ids), 1), dtype=np.float32)
             labels = np.zeros(len(ids), dtype=np.int64)

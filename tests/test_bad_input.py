@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,9 +28,10 @@ def _write_jsonl(path, lines):
     return path
 
 
-def _load(paths, tok, **kw):
+def _load(paths, tok, tokenize_chunk=2048, **kw):
     kw.setdefault("eval_fraction", 0.0)
-    return load_examples(DataConfig(source="files", paths=[str(p) for p in paths], **kw), tok)
+    return load_examples(DataConfig(source="files", paths=[str(p) for p in paths], **kw), tok,
+                         tokenize_chunk=tokenize_chunk)
 
 
 def _chat(*pairs):
@@ -174,6 +176,45 @@ def test_unreadable_files_raise_naming_the_file(tmp_path, demo_tokenizer):
         _load([other], demo_tokenizer)
     with pytest.raises(FileNotFoundError, match="data file not found: .*nope.jsonl"):
         _load([tmp_path / "nope.jsonl"], demo_tokenizer)
+
+
+def test_file_level_problems_name_the_file(tmp_path, demo_tokenizer):
+    a_dir = tmp_path / "adir"
+    a_dir.mkdir()
+    with pytest.raises(FileNotFoundError, match="data path is a directory, not a file: .*adir"):
+        _load([a_dir], demo_tokenizer)
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_bytes((json.dumps(GOOD) + "\n").encode("utf-16"))  # with its byte-order mark
+    with pytest.raises(ValueError, match="utf16.jsonl is UTF-16 or UTF-32 encoded .*save it as UTF-8"):
+        _load([utf16], demo_tokenizer)
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"prompt": "q", "response": "r"},')
+    with pytest.raises(ValueError, match="broken.json starts a JSON array but is not valid JSON"):
+        _load([broken], demo_tokenizer)
+
+
+def test_json_array_file_rows_and_positions(tmp_path, demo_tokenizer):
+    # The Alpaca-style layout: one JSON array (pretty-printed), positions are 0-based element indices.
+    f = tmp_path / "alpaca.json"
+    f.write_text(json.dumps([GOOD, 7, {"question": "2 + 2?", "answer": "4"}, {"prompt": "q"}], indent=2))
+    res = _load([f], demo_tokenizer)
+    assert res.n_read == 4 and res.train.num_rows == 2
+    assert [(r.position, r.reason) for r in res.rejected] == [(1, "not a JSON object: number"),
+                                                             (3, "missing field 'response'")]
+    lines = tmp_path / "lines.json"  # a .json file of JSON Lines still reads line by line
+    _write_jsonl(lines, [GOOD, {"prompt": "x", "response": "y"}])
+    assert _load([lines], demo_tokenizer).train.num_rows == 2
+
+
+def test_rejected_rows_are_in_input_order(tmp_path, demo_tokenizer):
+    # Duplicates are found when their tokenizer chunk finishes, after the parse errors of later lines.
+    rows = [GOOD, {"prompt": "a", "response": "b"}, GOOD, b"{bad", {"prompt": "a", "response": "b"}, b"[1]", GOOD]
+    f = _write_jsonl(tmp_path / "d.jsonl", rows)
+    g = _write_jsonl(tmp_path / "e.jsonl", [b"{bad", GOOD])
+    res = _load([f, g], demo_tokenizer, tokenize_chunk=2)
+    assert [(Path(r.source).name, r.position) for r in res.rejected] == [
+        ("d.jsonl", 3), ("d.jsonl", 4), ("d.jsonl", 5), ("d.jsonl", 6), ("d.jsonl", 7), ("e.jsonl", 1),
+        ("e.jsonl", 2)]
 
 
 def test_rejection_to_json_survives_hostile_rows():
@@ -384,3 +425,67 @@ def test_cli_reports_config_errors_before_ray(tmp_path, capsys):
     assert main(["run", str(spec)]) == 2
     assert "unknown key 'trian'; did you mean 'train'?" in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+# --------------------------------------------------------------------------- run directory and model modules
+
+
+def test_run_dir_guard_and_stale_artifacts(tmp_path):
+    from ray_cluster_ft.pipeline import RUN_MARKER, _prepare_run_dir
+
+    a_file = tmp_path / "out.txt"
+    a_file.write_text("mine")
+    with pytest.raises(ConfigError, match="output.dir .*out.txt is a file, not a directory"):
+        _prepare_run_dir(a_file, resume=False)
+    foreign = tmp_path / "project"  # e.g. `--output .` in a folder of the user's own files
+    foreign.mkdir()
+    (foreign / "config.yaml").write_text("# my spec\n")
+    with pytest.raises(ConfigError, match="already holds files that no ray-cluster-ft run wrote .*'config.yaml'"):
+        _prepare_run_dir(foreign, resume=False)
+    assert (foreign / "config.yaml").read_text() == "# my spec\n"
+    run = tmp_path / "runs" / "x"
+    _prepare_run_dir(run, resume=False)  # created, marked
+    assert (run / RUN_MARKER).exists()
+    for d in ("final_model", "trained", "ray_train", "sketches"):
+        (run / d).mkdir()
+    for f in ("trained.parquet", "train_log.jsonl", "eval_before.json", "loss.png", "plan.parquet"):
+        (run / f).write_text("old")
+    _prepare_run_dir(run, resume=True)  # a resume keeps what it continues from
+    assert (run / "final_model").exists() and (run / "train_log.jsonl").exists()
+    _prepare_run_dir(run, resume=False)  # a fresh run (plan-only too) drops the old run's training artifacts
+    left = sorted(p.name for p in run.iterdir())
+    assert left == sorted([RUN_MARKER, "sketches", "plan.parquet"])
+
+
+def test_module_patterns_are_checked_before_ray(tiny_model_dir):
+    from ray_cluster_ft.pipeline import _check_module_patterns
+
+    ok = parse_config({"model": {"path": str(tiny_model_dir)}, "train": {"lora": {"enabled": True}}})
+    _check_module_patterns(ok, str(tiny_model_dir), need_sketch=True)
+    typo = parse_config({"train": {"lora": {"enabled": True, "target_modules": ["q_proj", "q_projj"]}}})
+    with pytest.raises(ConfigError, match=r"train.lora.target_modules: 'q_projj' match no nn.Linear of .*"
+                                          r"\(module name suffixes there: .*q_proj"):
+        _check_module_patterns(typo, str(tiny_model_dir), need_sketch=False)
+    sketch = parse_config({"sketch": {"modules": ["gate_proj", "mlp.up_proj", "attn_out"]}})
+    with pytest.raises(ConfigError, match="sketch.modules: 'attn_out' match no nn.Linear"):
+        _check_module_patterns(sketch, str(tiny_model_dir), need_sketch=True)
+    _check_module_patterns(sketch, str(tiny_model_dir), need_sketch=False)  # no sketch: not checked
+    embed = parse_config({"sketch": {"method": "embedding", "modules": ["nothing"]}})
+    _check_module_patterns(embed, str(tiny_model_dir), need_sketch=True)
+
+
+def test_clustering_warning_when_fewer_clusters_than_ranks():
+    from ray_cluster_ft.pipeline import _clustering_warning
+
+    assert _clustering_warning(4, 0, 4, 2) is None
+    msg = _clustering_warning(1, 35, 2, 2)
+    assert msg.startswith("1 cluster after merging 35 clusters smaller than clustering.min_cluster_size=2, "
+                          "fewer than the 2 ranks")
+    assert _clustering_warning(3, 0, 8, 2).startswith("3 clusters, fewer than the 8 ranks")
+
+
+def test_report_tables_format_token_counts():
+    from ray_cluster_ft.report import _table
+
+    out = _table(["metric", "plan"], [["critical_path_tokens", 13848.0], ["padding_fraction", 0.0321], ["k", 5]])
+    assert "| critical_path_tokens | 13,848 |" in out and "| padding_fraction | 0.0321 |" in out
