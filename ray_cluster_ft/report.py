@@ -14,6 +14,8 @@ __all__ = ["write_report"]
 def _table(header: list[str], rows: list[list]) -> str:
     def fmt(v):
         if isinstance(v, float):
+            if v.is_integer() and abs(v) >= 1000:  # token counts: 13,848, not 1.385e+04
+                return f"{v:,.0f}"
             return f"{v:.4g}"
         return str(v)
 
@@ -136,6 +138,16 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
                          after.get("perplexity", float("nan"))])
         lines += ["## Held-out loss (response tokens, nats/token)", "",
                   _table(["domain", "examples", "loss before", "loss after", "ppl before", "ppl after"], rows), ""]
+        task_rows = []
+        for d, v in ev["before"].items():
+            after = ev.get("after", {}).get(d, {})
+            for key, count, label in (("mc_accuracy", "mc_items", "multiple-choice accuracy"),
+                                      ("pass_at_1", "code_problems", "pass@1")):
+                if key in v:
+                    task_rows.append([d, label, v.get(count, ""), v[key], after.get(key, float("nan"))])
+        if task_rows:
+            lines += ["## Held-out task scores", "",
+                      _table(["domain", "metric", "items", "before", "after"], task_rows), ""]
 
     pm = manifest.get("plan_metrics", {})
     if pm:
@@ -143,6 +155,9 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
         lines += ["## Allocation plan vs random allocation", "",
                   _table(["metric"] + list(pm), [[k] + [pm[s].get(k) for s in pm] for k in keys]), ""]
 
+    warning = manifest.get("clustering", {}).get("warning")
+    if warning:
+        lines += [f"**Warning:** {warning}.", ""]
     if labels is not None and len(labels):
         k = int(labels.max()) + 1
         sizes = np.bincount(labels, minlength=k)
@@ -173,17 +188,13 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
 
     if baseline_plan is not None and len(baseline_plan) and "cluster" in plan.columns:
         figs = _allocation_figure(run_dir / "allocation.png", plan, baseline_plan)
-        rows = [[name, float(f["imbalance"].mean()), float(f["imbalance"].max()), float(f["collisions"].mean()),
-                 f["padding"], f["critical_path"]] for name, f in figs.items()]
         ratio = figs["plan"]["critical_path"] / figs["random baseline"]["critical_path"]
         own = next((m for name, m in pm.items() if not name.startswith("random")), {}) if pm else {}
         bound, bound_ratio = own.get("critical_path_bound_tokens"), own.get("critical_path_vs_bound")
-        lines += ["## Allocation: plan vs random baseline", "",
-                  _table(["allocation", "max/mean (mean over steps)", "max/mean (worst step)", "collisions per step",
-                          "padding fraction", "critical-path tokens"], rows), "",
+        lines += ["## Allocation per step: plan vs random baseline", "",
                   f"Critical path of the plan: {ratio:.3f}x the random baseline's"
                   + (f"; {bound_ratio:.3f}x the lower bound for any plan of these examples "
-                     f"({bound:.0f} tokens)." if bound else "."), "",
+                     f"({bound:,.0f} tokens)." if bound else "."), "",
                   "![allocation](allocation.png)", ""]
 
     log = run_dir / "train_log.jsonl"

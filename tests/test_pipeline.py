@@ -74,6 +74,16 @@ def test_final_model_loads_and_eval_ran(run):
     model = AutoModelForCausalLM.from_pretrained(m["train"]["final_model"])
     assert model.config.num_hidden_layers == 2
     assert set(m["eval"]["before"]) == set(m["eval"]["after"]) >= {"all"}
+    # The report shows every score the manifest has: loss per domain, and MC accuracy / pass@1 where scored.
+    report = (out / "report.md").read_text()
+    assert "## Held-out loss" in report
+    scored = [k for k in ("mc_accuracy", "pass_at_1") if k in m["eval"]["before"]["all"]]
+    assert scored, "the demo rows held out include MMLU items or HumanEval problems"
+    assert "## Held-out task scores" in report
+    labels = {"mc_accuracy": "multiple-choice accuracy", "pass_at_1": "pass@1"}
+    for key in scored:
+        assert f"| all | {labels[key]} |" in report
+    assert f"{m['plan_metrics']['cluster']['critical_path_tokens']:,.0f}" in report
 
 
 def test_verify_trained_catches_a_swap():
