@@ -197,19 +197,22 @@ def install_evaluator(args) -> dict | None:
         return None
     cache: dict = {}
 
-    def _eval(model_path, table, cfg, pad_token_id, *_, **__):
+    def _eval(model_path, table, cfg, pad_token_id, _tasks=None, samples_path=None):
         key = (str(model_path), tuple(table.column("example_id").to_pylist()))
         if key in cache:
             print(f"[bench] evaluation of {model_path} reused", flush=True)
-            return copy.deepcopy(cache[key])
-        tasks = eval_tasks(cfg.data, table, max_mc=args.max_mc, max_code=args.max_code)
-        task = ray.remote(evaluate_model_path).options(
-            num_cpus=1, num_gpus=1 if cfg.train.use_gpu else 0,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.eval_threads)}})
-        res = ray.get(task.remote(model_path, table, 8, pad_token_id, cfg.model.trust_remote_code, args.eval_threads,
-                                  tasks=tasks, max_new_tokens=args.max_new_tokens, time_limit_s=args.time_limit,
-                                  exec_workers=1))
-        cache[key] = copy.deepcopy(res)
+        else:
+            tasks = eval_tasks(cfg.data, table, max_mc=args.max_mc, max_code=args.max_code)
+            task = ray.remote(evaluate_model_path).options(
+                num_cpus=1, num_gpus=1 if cfg.train.use_gpu else 0,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.eval_threads)}})
+            cache[key] = ray.get(task.remote(model_path, table, 8, pad_token_id, cfg.model.trust_remote_code,
+                                             args.eval_threads, tasks=tasks, max_new_tokens=args.max_new_tokens,
+                                             time_limit_s=args.time_limit, exec_workers=1, with_samples=True))
+        res, samples = copy.deepcopy(cache[key])
+        if samples_path is not None:  # per-item records, as the pipeline's own evaluation writes them
+            Path(samples_path).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in samples),
+                                          encoding="utf-8")
         return res
 
     pipeline._eval_remote = _eval

@@ -314,7 +314,8 @@ def pass_at_1(model, tokenizer, problems: list[dict], max_new_tokens: int = 128,
     Returns:
         ``{"pass_at_1": float (NaN without problems), "problems": int, "passed": int,
         "status": {status: count}, "statuses": list[str] (per problem), "completions": list[str],
-        "seconds_generate": float, "seconds_execute": float}``.
+        "stderrs": list[str] (per problem, the last 500 characters), "seconds_generate": float,
+        "seconds_execute": float}``.
     """
     from .codeexec import check_completions
 
@@ -330,6 +331,7 @@ def pass_at_1(model, tokenizer, problems: list[dict], max_new_tokens: int = 128,
     n, passed = len(problems), status.get("passed", 0)
     return {"pass_at_1": passed / n if n else float("nan"), "problems": n, "passed": passed, "status": dict(status),
             "statuses": [r["status"] for r in res], "completions": comps,
+            "stderrs": [r.get("stderr", "")[-500:] for r in res],
             "seconds_generate": round(t1 - t0, 3), "seconds_execute": round(t2 - t1, 3)}
 
 
@@ -480,7 +482,7 @@ def _single_token_choices(tokenizer, tasks: list[dict]) -> dict[str, list[int]]:
 
 def evaluate_tasks(model, tokenizer, examples: pa.Table, tasks: list[dict], batch_size: int = 8,
                    max_new_tokens: int = 128, time_limit_s: float = 5.0, exec_workers: int = 2,
-                   mc_scores: dict | None = None) -> dict:
+                   mc_scores: dict | None = None, samples: list | None = None) -> dict:
     """Multiple-choice accuracy and pass@1 per domain (and ``all``) for :func:`eval_tasks`' tasks.
 
     Args:
@@ -492,6 +494,10 @@ def evaluate_tasks(model, tokenizer, examples: pa.Table, tasks: list[dict], batc
         mc_scores: ``{example_id: float (n_choices,)}`` choice log-likelihoods already computed (by
             :func:`heldout_loss`'s ``prompt_end_scores``); the other MC tasks are scored with
             :func:`choice_logprobs`.
+        samples: a list to extend with one record per scored task, in task order, so a change in a score can
+            be traced to items: ``{"example_id", "domain", "kind": "mc", "gold", "prediction" (letters),
+            "gold_prob", "correct"}`` or ``{"example_id", "domain", "kind": "code", "status", "completion",
+            "stderr"}`` (the program's stderr tail, at most 500 characters).
 
     Returns:
         ``{domain: {"mc_accuracy", "mc_items", "mc_gold_prob"} and/or {"pass_at_1", "code_problems",
@@ -521,6 +527,11 @@ def evaluate_tasks(model, tokenizer, examples: pa.Table, tasks: list[dict], batc
             sel = [k for k, t in enumerate(mc) if d == "all" or t["domain"] == d]
             out[d].update(mc_accuracy=float(np.mean([res["predictions"][k] == mc[k]["gold"] for k in sel])),
                           mc_items=len(sel), mc_gold_prob=float(np.mean([res["gold_probs"][k] for k in sel])))
+        if samples is not None:
+            samples.extend({"example_id": t["example_id"], "domain": t["domain"], "kind": "mc",
+                            "gold": t["choices"][t["gold"]], "prediction": t["choices"][pred],
+                            "gold_prob": round(gp, 6), "correct": pred == t["gold"]}
+                           for t, pred, gp in zip(mc, res["predictions"], res["gold_probs"]))
     code = [t for t in tasks if t["kind"] == "code"]
     if code:
         t0 = time.perf_counter()
@@ -536,6 +547,10 @@ def evaluate_tasks(model, tokenizer, examples: pa.Table, tasks: list[dict], batc
             for k in sel:
                 st[statuses[k]] += 1
             out[d].update(pass_at_1=st.get("passed", 0) / len(sel), code_problems=len(sel), code_status=dict(st))
+        if samples is not None:
+            samples.extend({"example_id": t["example_id"], "domain": t["domain"], "kind": "code", "status": status,
+                            "completion": c, "stderr": err}
+                           for t, status, c, err in zip(code, statuses, res["completions"], res["stderrs"]))
     out["all"].update(seconds_mc=secs["mc"], seconds_code=secs["code"])
     return dict(out)
 
@@ -543,7 +558,7 @@ def evaluate_tasks(model, tokenizer, examples: pa.Table, tasks: list[dict], batc
 def evaluate_model_path(model_path: str, examples: pa.Table, batch_size: int = 8, pad_token_id: int = 0,
                         trust_remote_code: bool = False, num_threads: int | None = None,
                         tasks: list[dict] | None = None, max_new_tokens: int = 128, time_limit_s: float = 5.0,
-                        exec_workers: int = 2) -> dict:
+                        exec_workers: int = 2, with_samples: bool = False) -> dict | tuple[dict, list[dict]]:
     """Load ``model_path`` (fp32 on CPU, bf16 on CUDA) and evaluate it on the held-out ``examples``.
 
     Args:
@@ -555,9 +570,11 @@ def evaluate_model_path(model_path: str, examples: pa.Table, batch_size: int = 8
         num_threads: torch intra-op threads (None: leave as is).
         tasks: :func:`eval_tasks`' multiple-choice items and code problems; None or ``[]``: loss only.
         max_new_tokens, time_limit_s, exec_workers: pass@1 settings (:func:`pass_at_1`).
+        with_samples: also return the per-task records (:func:`evaluate_tasks`' ``samples``).
 
     Returns:
-        :func:`heldout_loss`'s ``{domain: {"loss", "perplexity", "tokens", "examples"}, "all": {...}}`` with
+        With ``with_samples``, ``(metrics, samples)``; otherwise the metrics: :func:`heldout_loss`'s
+        ``{domain: {"loss", "perplexity", "tokens", "examples"}, "all": {...}}`` with
         :func:`evaluate_tasks`' keys (``mc_accuracy``, ``mc_items``, ``mc_gold_prob``, ``pass_at_1``,
         ``code_problems``, ``code_status``; ``all`` also ``seconds_loss``, ``seconds_mc``, ``seconds_code``)
         merged into the domains that have tasks. Multiple-choice items whose choices are single tokens are
@@ -581,12 +598,14 @@ def evaluate_model_path(model_path: str, examples: pa.Table, batch_size: int = 8
     out = heldout_loss(model, examples, batch_size=batch_size, pad_token_id=pad_token_id,
                        prompt_end_scores=scores if scores else None)
     seconds_loss = round(time.perf_counter() - t0, 3)
+    samples: list[dict] = []
     if tasks:
         extra = evaluate_tasks(model, tok, examples, tasks, batch_size=batch_size, max_new_tokens=max_new_tokens,
                                time_limit_s=time_limit_s, exec_workers=exec_workers,
-                               mc_scores={k: v for k, v in scores.items() if isinstance(v, np.ndarray)})
+                               mc_scores={k: v for k, v in scores.items() if isinstance(v, np.ndarray)},
+                               samples=samples)
         for d, v in extra.items():
             out.setdefault(d, {}).update(v)
     if out:
         out["all"]["seconds_loss"] = seconds_loss
-    return out
+    return (out, samples) if with_samples else out

@@ -113,9 +113,11 @@ def _check_local_resources(cfg: JobConfig) -> None:
                           f"{res.get('GPU', 0):g} GPUs")
 
 
-def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id: int, tasks: list | None = None) -> dict:
+def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id: int, tasks: list | None,
+                 samples_path: Path) -> dict:
     """Held-out loss, and MC accuracy / pass@1 for ``tasks``, in a Ray task (a GPU where the job trains on GPUs),
-    so the driver stays light; generated code runs in separate, limited processes (``codeexec``)."""
+    so the driver stays light; generated code runs in separate, limited processes (``codeexec``). The per-task
+    records (prediction, or completion and status) go to ``samples_path`` (JSON Lines) on the driver."""
     import ray
 
     from .evaluate import evaluate_model_path
@@ -124,17 +126,20 @@ def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id:
     task = ray.remote(evaluate_model_path).options(
         num_cpus=1, num_gpus=1 if cfg.train.use_gpu else 0, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}}
     )
-    return ray.get(
+    metrics, samples = ray.get(
         task.remote(model_path, table, 8, pad_token_id, cfg.model.trust_remote_code, threads, tasks=tasks,
                     max_new_tokens=cfg.evaluation.max_new_tokens, time_limit_s=cfg.evaluation.time_limit_s,
-                    exec_workers=1)
+                    exec_workers=1, with_samples=True)
     )
+    with open(samples_path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in samples)
+    return metrics
 
 
 RUN_MARKER = ".ray-cluster-ft-run"
 # What a fresh run replaces: the artifacts of training and evaluation (sketch shards are kept, by key).
 _STALE = ["trained", "final_model", "ray_train", "warmup", "trained.parquet", "train_log.jsonl", "eval_before.json",
-          "loss.png"]
+          "eval_before_samples.jsonl", "eval_after_samples.jsonl", "loss.png"]
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
@@ -414,7 +419,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
             if resume and cached.exists():
                 eval_before = json.loads(cached.read_text())
             else:
-                eval_before = _eval_remote(model_path, data.eval, cfg, pad_id, tasks) if data.eval.num_rows else {}
+                eval_before = (_eval_remote(model_path, data.eval, cfg, pad_id, tasks,
+                                            run_dir / "eval_before_samples.jsonl") if data.eval.num_rows else {})
                 cached.write_text(json.dumps(eval_before, default=float))
 
         # ---- train
@@ -429,7 +435,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         # ---- evaluate after
         with timer.stage("evaluate_after"):
             eval_after = (
-                _eval_remote(str(tres.final_model_dir), data.eval, cfg, pad_id, tasks)
+                _eval_remote(str(tres.final_model_dir), data.eval, cfg, pad_id, tasks,
+                             run_dir / "eval_after_samples.jsonl")
                 if data.eval.num_rows and tres.final_model_dir else {}
             )
     finally:

@@ -147,7 +147,9 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
                     task_rows.append([d, label, v.get(count, ""), v[key], after.get(key, float("nan"))])
         if task_rows:
             lines += ["## Held-out task scores", "",
-                      _table(["domain", "metric", "items", "before", "after"], task_rows), ""]
+                      _table(["domain", "metric", "items", "before", "after"], task_rows), "",
+                      "Per item (predictions, completions, test output): `eval_before_samples.jsonl`, "
+                      "`eval_after_samples.jsonl`.", ""]
 
     pm = manifest.get("plan_metrics", {})
     if pm:

@@ -307,3 +307,18 @@ def test_evaluate_model_path_adds_task_metrics(tiny_model_dir, demo_tokenizer):
     assert res["code"]["code_problems"] == 2 and res["code"]["pass_at_1"] == 0.0
     assert sum(res["code"]["code_status"].values()) == 2
     assert res["all"]["mc_items"] == 3 and res["all"]["code_problems"] == 2
+    # The per-task records agree with the scores they sum to.
+    again, samples = evaluate_model_path(str(tiny_model_dir), data.eval, batch_size=4,
+                                         pad_token_id=demo_tokenizer.pad_token_id, tasks=tasks, max_new_tokens=4,
+                                         time_limit_s=5.0, with_samples=True)
+    assert again["all"]["loss"] == res["all"]["loss"]
+    assert [(r["example_id"], r["kind"]) for r in samples] == [(t["example_id"], t["kind"]) for t in tasks
+                                                              if t["kind"] == "mc"] + \
+        [(t["example_id"], t["kind"]) for t in tasks if t["kind"] == "code"]
+    mc = [r for r in samples if r["kind"] == "mc"]
+    assert sum(r["correct"] for r in mc) == round(res["medical"]["mc_accuracy"] * 3)
+    assert all(r["correct"] == (r["prediction"] == r["gold"]) and r["gold"] in "ABCD" for r in mc)
+    assert np.mean([r["gold_prob"] for r in mc]) == pytest.approx(res["medical"]["mc_gold_prob"], abs=1e-5)
+    code = [r for r in samples if r["kind"] == "code"]
+    assert {s: [r["status"] for r in code].count(s) for s in res["code"]["code_status"]} == res["code"]["code_status"]
+    assert all(isinstance(r["completion"], str) and len(r["stderr"]) <= 500 for r in code)

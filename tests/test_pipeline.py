@@ -84,6 +84,13 @@ def test_final_model_loads_and_eval_ran(run):
     for key in scored:
         assert f"| all | {labels[key]} |" in report
     assert f"{m['plan_metrics']['cluster']['critical_path_tokens']:,.0f}" in report
+    # One record per scored task, before and after, beside the scores.
+    for when in ("before", "after"):
+        recs = [json.loads(x) for x in (out / f"eval_{when}_samples.jsonl").read_text().splitlines()]
+        allv = m["eval"][when]["all"]
+        assert len(recs) == allv.get("mc_items", 0) + allv.get("code_problems", 0)
+        assert sum(r["status"] == "passed" for r in recs if r["kind"] == "code") == \
+            round(allv.get("pass_at_1", 0) * allv.get("code_problems", 0))
 
 
 def test_verify_trained_catches_a_swap():
