@@ -197,6 +197,10 @@ class AllocationConfig(_Section):
 
     strategy: Literal["cluster", "random", "length"] = "cluster"
     seed: int = _seed("allocation seed")
+    pad_tolerance: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="cluster only: largest padding fraction a single-cluster micro-batch may keep; the others "
+                    "are re-cut from rows of several clusters (higher: purer micro-batches, more padding)")
 
 
 class LoraConfig(_Section):

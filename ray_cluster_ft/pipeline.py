@@ -384,7 +384,7 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         with timer.stage("allocate"):
             plan_for = partial(allocate.make_plan, ids[sel_idx], labels[sel_idx], n_tokens[sel_idx], W,
                                cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.epochs,
-                               seed=cfg.allocation.seed)
+                               seed=cfg.allocation.seed, pad_tolerance=cfg.allocation.pad_tolerance)
             pres = plan_for(strategy=cfg.allocation.strategy)
             plan = pres.plan
             if old_plan_hash is not None:

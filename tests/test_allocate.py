@@ -537,3 +537,20 @@ def test_demo_lengths_cluster_plan_vs_random(demo_selection, world_size):
     assert mr["padding_fraction"] > 0.25
     assert mc["critical_path_tokens"] <= 1.12 * ideal
     assert mc["token_imbalance_mean"] < mr["token_imbalance_mean"]
+
+
+def test_pad_tolerance_trades_padding_for_single_cluster_micro_batches(real_selection):
+    """With clusters independent of length, a micro-batch of one cluster pads more: the tolerance sets how much
+    padding a single-cluster micro-batch may keep before its rows are re-cut with other clusters' rows."""
+    ids, labels, n_tokens = real_selection
+    for w in (4, 8):
+        m = {tol: plan_metrics(make_plan(ids, labels, n_tokens, w, 4, seed=0, pad_tolerance=tol).plan, w)
+             for tol in (0.0, 0.05, 0.1, 1.0)}
+        print(f"\nW={w} " + "; ".join(f"tol {t}: single-cluster {v['single_cluster_fraction']:.3f} padding "
+                                      f"{v['padding_fraction']:.4f}" for t, v in m.items()))
+        single = [m[t]["single_cluster_fraction"] for t in sorted(m)]
+        padding = [m[t]["padding_fraction"] for t in sorted(m)]
+        assert single == sorted(single) and padding == sorted(padding)
+        assert all(v["collisions_per_step"] == 0.0 for v in m.values())
+        assert m[0.1]["single_cluster_fraction"] >= 0.7 and m[0.1]["padding_fraction"] <= 0.05
+        assert m[1.0]["single_cluster_fraction"] >= 0.95 and m[1.0]["padding_fraction"] > 0.1

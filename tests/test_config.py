@@ -29,6 +29,7 @@ def test_jobs_demo_is_the_packaged_demo():
         ({"selection": {"budget": 2.5}}, "a count must be whole"),
         ({"selection": {"strategy": "best"}}, "selection.strategy"),
         ({"clustering": {"k": 0}}, "clustering.k"),
+        ({"allocation": {"pad_tolerance": 1.5}}, "allocation.pad_tolerance: Input should be less than or equal to 1"),
         ({"data": {"source": "files"}}, "data.paths is empty"),
         ([1, 2], "mapping of sections"),
     ],

@@ -107,11 +107,30 @@ def test_verify_trained_catches_a_swap():
 
 
 def test_plan_only_rerun_gives_identical_selection_and_plan(run, tmp_path, tiny_model_dir):
-    out, _ = run
+    out, manifest = run
     m = run_pipeline(_config(tiny_model_dir, tmp_path), plan_only=True)
     assert m["train"] is None and m["counts"]["trained"] == 0 and not (tmp_path / "trained.parquet").exists()
     for name in ("selection.parquet", "plan.parquet", "clusters.parquet"):
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
+    # allocation.pad_tolerance reaches the plan: the plan equals make_plan's on the run's own inputs.
+    from ray_cluster_ft.allocate import make_plan
+
+    cfg = _config(tiny_model_dir, tmp_path)
+    cfg.allocation.pad_tolerance = 1.0
+    pure = run_pipeline(cfg, plan_only=True)
+    assert pure["config"]["allocation"]["pad_tolerance"] == 1.0
+    sel = pd.read_parquet(tmp_path / "selection.parquet")
+    examples = pd.read_parquet(tmp_path / "examples.parquet", columns=["example_id", "n_tokens"])
+    n_tok = examples.set_index("example_id").loc[sel["example_id"], "n_tokens"].to_numpy()
+    t = cfg.train
+    for tol in (1.0, 0.05):
+        ref = make_plan(sel["example_id"].to_numpy(), sel["cluster"].to_numpy(), n_tok, t.num_workers,
+                        t.micro_batch_size, t.grad_accum, t.epochs, seed=cfg.allocation.seed, pad_tolerance=tol).plan
+        got = pd.read_parquet((tmp_path if tol == 1.0 else out) / "plan.parquet")
+        pd.testing.assert_frame_equal(got.reset_index(drop=True), ref.reset_index(drop=True), check_dtype=False)
+    print("single-cluster fraction, tolerance 0.05 -> 1.0:",
+          manifest["plan_metrics"]["cluster"]["single_cluster_fraction"],
+          pure["plan_metrics"]["cluster"]["single_cluster_fraction"])
 
 
 def test_unreachable_ray_address_fails_fast():
