@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"ray-cluster-ft: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ray was shut down by the pipeline's own cleanup; no traceback for a Ctrl-C
+        print("ray-cluster-ft: interrupted; a stopped run continues with `ray-cluster-ft run --resume RUN_DIR`",
+              file=sys.stderr)
+        return 130
     c, t = manifest["counts"], manifest["timings_s"]
     print(f"[ray-cluster-ft] done: read {c['read']}, rejected {c['rejected']}, selected {c['selected']}, "
           f"trained {c['trained']}; total {t['total']:.0f} s")

@@ -121,6 +121,7 @@ class SketchConfig(_Section):
     )
     modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
         description="suffixes of the nn.Linear module names to sketch",
     )
     last_blocks: int | None = Field(4, ge=1, description="sketch only the last L transformer blocks; null = all")
@@ -272,6 +273,9 @@ class TrainConfig(_Section):
                 raise ValueError(
                     f"the DeepSpeed config {self.deepspeed_config} sets {key}={user[key]!r} but the plan needs "
                     f"{want!r}; set train.micro_batch_size / train.grad_accum / train.num_workers instead")
+        from .train import deepspeed_config  # here, not at the top: train imports this module
+
+        deepspeed_config(self, total_steps=1)  # the merge itself refuses a non-mapping where DeepSpeed needs one
         return self
 
     @field_validator("deepspeed_config")
@@ -411,8 +415,10 @@ def load_config(path: str | Path, overrides: dict | None = None) -> JobConfig:
         ConfigError: the file is missing, is not YAML, or fails validation.
     """
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"job config {p} is a directory, not a YAML file")
     if not p.is_file():
-        raise ConfigError(f"job config not found: {p}")
+        raise ConfigError(f"job config not found: {p}" if not p.exists() else f"job config {p} is not a regular file")
     try:
         raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except (yaml.YAMLError, UnicodeDecodeError) as err:
@@ -441,18 +447,21 @@ def budget_count(budget: float, n_accepted: int) -> int:
     return int(budget)
 
 
-def check_against_data(cfg: JobConfig, n_train: int) -> None:
+def check_against_data(cfg: JobConfig, n_train: int, n_read: int | None = None) -> None:
     """Fail fast on combinations that the accepted-example count makes impossible.
 
     Args:
         cfg: the job config.
         n_train: accepted examples available for selection (after the held-out split).
+        n_read: rows read from the sources (None: unknown), to tell empty files from all-rejected rows.
 
     Raises:
         ConfigError: no examples; a count budget above ``n_train``; ``clustering.k`` above ``n_train``;
             a world size whose ranks would get no micro-batch.
     """
     t = cfg.train
+    if n_train == 0 and n_read == 0:
+        raise ConfigError("no accepted training examples: the data files hold no rows (empty, or blank lines only)")
     if n_train == 0:
         raise ConfigError("no accepted training examples: every row was rejected or held out (see rejected.jsonl)")
     b = cfg.selection.budget

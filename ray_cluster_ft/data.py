@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ __all__ = [
     "iter_file_rows",
     "tokenize_rows",
     "load_examples",
+    "reason_category",
 ]
 
 EXAMPLE_SCHEMA = pa.schema(
@@ -231,8 +233,10 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
 def _require_file(p: Path) -> None:
     if p.is_dir():
         raise FileNotFoundError(f"data path is a directory, not a file: {p} (list its files in data.paths)")
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"data file not found: {p}")
+    if not p.is_file():  # a FIFO or a device would block or never end
+        raise FileNotFoundError(f"data path {p} is not a regular file")
 
 
 def _json_array(p: Path) -> list | None:
@@ -396,6 +400,30 @@ def canonicalize(row: Any) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
 
+# Reasons that carry the offending value or an index before any ':' -> one category each, so that the
+# manifest's tally has a bounded number of keys however many different bad values the data holds.
+_CATEGORIES = [
+    (re.compile(r"^messages\[\d+\]\.role is "), "messages[i].role not system/user/assistant"),
+    (re.compile(r"^messages\[\d+\]\.content is "), "messages[i].content not a string"),
+    (re.compile(r"^messages\[\d+\] is "), "messages[i] not an object"),
+    (re.compile(r"^field '(\w+)' is null"), r"field '\1' is null"),
+    (re.compile(r"^field '(\w+)' is "), r"field '\1' not a string"),
+    (re.compile(r"^invalid Unicode"), "invalid Unicode"),
+]
+
+
+def reason_category(reason: str) -> str:
+    """The category of a rejection reason, for ``counts.rejected_by_reason``: the text before the first ``:``,
+    with per-row values and message indices folded (``messages[3].role is 'robot', ...`` ->
+    ``messages[i].role not system/user/assistant``; ``field 'prompt' is int, ...`` -> ``field 'prompt' not a
+    string``). The full reason stays in ``rejected.jsonl``."""
+    for pattern, category in _CATEGORIES:
+        m = pattern.match(reason)
+        if m:
+            return m.expand(category)
+    return reason.split(":", 1)[0]
+
+
 def example_id(messages: list[dict[str, str]]) -> str:
     """Stable content hash of an example's messages (16 hex chars of SHA-1): same content, same id."""
     blob = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
@@ -554,6 +582,10 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
             continue
         source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
         domain = row.get("domain") if isinstance(row.get("domain"), str) and row.get("domain") else "default"
+        if domain == "all":  # the name of the every-domain aggregate in the evaluation
+            rejected.append(Rejection(src, pos, "reserved domain: 'all' names the aggregate over every domain in "
+                                                "the evaluation; rename the row's domain", row))
+            continue
         pending.append((src, pos, row, msgs, source, domain))
         if len(pending) >= tokenize_chunk:
             flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import re
 from contextlib import contextmanager
@@ -19,6 +20,8 @@ __all__ = [
     "cache_dir",
     "package_dir",
     "resolve_model_path",
+    "check_model_files",
+    "linear_module_names",
     "convert_demo_model",
     "load_tokenizer",
     "load_model",
@@ -111,7 +114,7 @@ def _hub_offline() -> bool:
                for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def resolve_model_path(path: str) -> str:
+def resolve_model_path(path: str, key: str = "model.path") -> str:
     """Map a ``model.path`` config value to something ``from_pretrained`` loads: ``demo`` becomes the
     converted demo folder; a local folder must exist and hold ``config.json``; anything else must be a
     well-formed hub id, and when the hub is offline (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``) it must
@@ -120,26 +123,27 @@ def resolve_model_path(path: str) -> str:
     Raises:
         FileNotFoundError: ``path`` is empty; looks local (starts with ``/``, ``.`` or ``~``, or has more than
             one ``/``) but is not a folder; is a folder without ``config.json``; is not a valid hub id; or is a
-            hub id that is not cached while the hub is offline. The message names ``model.path`` and the value.
+            hub id that is not cached while the hub is offline. The message names ``key`` (the config key the
+            value came from, e.g. ``sketch.model``) and the value.
     """
     if not isinstance(path, str) or not path.strip():
-        raise FileNotFoundError(f"model.path is empty (got {path!r}); use 'demo', a local model folder or a hub id")
+        raise FileNotFoundError(f"{key} is empty (got {path!r}); use 'demo', a local model folder or a hub id")
     if path == DEMO_MODEL:
         return str(convert_demo_model())
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
             raise FileNotFoundError(
-                f"model.path '{path}' is a folder without config.json: not a Hugging Face model folder"
+                f"{key} '{path}' is a folder without config.json: not a Hugging Face model folder"
             )
         return expanded
     if os.path.exists(expanded):
-        raise FileNotFoundError(f"model.path '{path}' is a file, not a model folder")
+        raise FileNotFoundError(f"{key} '{path}' is a file, not a model folder")
     if path.startswith(("/", ".", "~")) or os.sep in path.strip("/").split("/", 1)[-1]:
-        raise FileNotFoundError(f"model.path '{path}' is not a folder")
+        raise FileNotFoundError(f"{key} '{path}' is not a folder")
     if not _HUB_ID.match(path):
         raise FileNotFoundError(
-            f"model.path '{path}' is neither a local folder nor a valid Hugging Face hub id (owner/name)"
+            f"{key} '{path}' is neither a local folder nor a valid Hugging Face hub id (owner/name)"
         )
     if _hub_offline():
         from huggingface_hub import try_to_load_from_cache
@@ -147,10 +151,56 @@ def resolve_model_path(path: str) -> str:
         cached = try_to_load_from_cache(path, "config.json")
         if not isinstance(cached, str):
             raise FileNotFoundError(
-                f"model.path '{path}' is not a local folder, and the hub id is not in the local Hugging Face "
+                f"{key} '{path}' is not a local folder, and the hub id is not in the local Hugging Face "
                 f"cache while the hub is offline (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set)"
             )
     return path
+
+
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_model_files(path: str, key: str = "model.path") -> None:
+    """Check that a local model folder holds readable weights before any Ray work: a folder copied without
+    its weights, a missing shard or a truncated ``.safetensors`` file would otherwise fail inside the sketch
+    actors or the training workers, after retries. Reads only the safetensors headers. Hub ids pass (they
+    are checked when loaded).
+
+    Args:
+        path: :func:`resolve_model_path` output.
+        key: the config key ``path`` came from, for the message.
+
+    Raises:
+        FileNotFoundError: no weights file (``model.safetensors``, ``pytorch_model.bin`` or their sharded
+            ``*.index.json``), a shard the index names is missing, or a safetensors file whose header cannot be
+            read; the message names ``key``, the folder and the file.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    found = [name for name in _WEIGHTS if (folder / name).is_file()]
+    if not found:
+        raise FileNotFoundError(f"{key} '{path}' has no weights: none of {', '.join(_WEIGHTS)} is there")
+    name = found[0]
+    files = [name]
+    if name.endswith(".index.json"):
+        try:
+            weight_map = json.loads((folder / name).read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise FileNotFoundError(f"{key} '{path}': {name} is not a readable weight index ({err})") from None
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{key} '{path}': {name} lists {len(missing)} missing shard(s), e.g. {missing[0]}")
+    from safetensors import safe_open
+
+    for f in files:
+        if f.endswith(".safetensors"):
+            try:
+                with safe_open(str(folder / f), framework="pt"):
+                    pass
+            except Exception as err:  # SafetensorError is not exported under a stable name
+                raise FileNotFoundError(f"{key} '{path}': cannot read the weights file {f} ({err})") from None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

@@ -137,20 +137,25 @@ def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id:
 
 
 RUN_MARKER = ".ray-cluster-ft-run"
-# What a fresh run replaces: the artifacts of training and evaluation (sketch shards are kept, by key).
+# What a fresh run replaces: everything an earlier run wrote except the sketch shards (reused by key), so a
+# run that fails part-way never leaves an older manifest or plan beside its new data files.
 _STALE = ["trained", "final_model", "ray_train", "warmup", "trained.parquet", "train_log.jsonl", "eval_before.json",
-          "eval_before_samples.jsonl", "eval_after_samples.jsonl", "loss.png"]
+          "eval_before_samples.jsonl", "eval_after_samples.jsonl", "examples.parquet", "eval_examples.parquet",
+          "rejected.jsonl", "clusters.parquet", "selection.parquet", "plan.parquet", "manifest.json", "report.md",
+          "config.yaml", "loss.png", "allocation.png", "clusters.png", "load.png"]
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
     """Create (or check) the run directory before anything is written into it.
 
-    A fresh run into an existing run directory replaces that run's training artifacts (``_STALE``), so a
-    plan-only run never leaves an older model beside its new plan. A directory that holds other files (the
-    current directory, a data folder) is refused: the training stage deletes folders inside the run directory.
+    A fresh run into an existing run directory first removes that run's artifacts (``_STALE``; the sketch
+    shards stay), so a plan-only run never leaves an older model beside its new plan, and a run that fails
+    part-way leaves no older manifest describing other data. A directory that holds other files (the current
+    directory, a data folder) is refused: the training stage deletes folders inside the run directory.
 
     Raises:
-        ConfigError: ``run_dir`` is a file, or a non-empty directory that no run of this tool wrote.
+        ConfigError: ``run_dir`` is a file, a non-empty directory that no run of this tool wrote, or cannot be
+            created (a parent is a file, no permission).
     """
     import shutil
 
@@ -162,8 +167,11 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
         if entries and not ours:
             raise ConfigError(f"output.dir {run_dir} already holds files that no ray-cluster-ft run wrote (e.g. "
                               f"{entries[0]!r}); use a new or empty directory (the run replaces folders in it)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RUN_MARKER).touch()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_MARKER).touch()
+    except OSError as err:
+        raise ConfigError(f"output.dir {run_dir} cannot be created: {err.strerror or err}") from None
     if not resume:
         for name in _STALE:
             path = run_dir / name
@@ -173,6 +181,22 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
                 path.unlink(missing_ok=True)
 
 
+def _same_as_before(path: Path, table: pa.Table, columns: list[str]) -> None:
+    """On ``--resume``: the artifact recomputed now must equal the one the run wrote (in ``columns``), checked
+    before it is overwritten, so a refused resume leaves the run directory as it was.
+
+    Raises:
+        ConfigError: the recomputed ``columns`` differ from ``path``'s (the data or a package changed).
+    """
+    if not path.exists():
+        return
+    old = pq.read_table(path, columns=columns)
+    if not old.equals(table.select(columns)):
+        raise ConfigError(f"--resume: {path.name} computed now ({table.num_rows} rows) differs from the one in the "
+                          f"run directory ({old.num_rows} rows); the data or a package changed since the run "
+                          f"started. Start a fresh run directory.")
+
+
 def _check_module_patterns(cfg: JobConfig, model_path: str, need_sketch: bool) -> None:
     """Every LoRA target and sketched module pattern must name an ``nn.Linear`` of its model: a typo would
     otherwise fail inside the Ray workers (retried ``max_failures`` times) or silently sketch fewer modules.
@@ -180,13 +204,16 @@ def _check_module_patterns(cfg: JobConfig, model_path: str, need_sketch: bool) -
     Raises:
         ConfigError: naming the patterns that match nothing and the valid suffixes.
     """
-    from .model import linear_module_names, resolve_model_path
+    from .model import check_model_files, linear_module_names, resolve_model_path
 
     checks = []
     if cfg.train.lora.enabled:
         checks.append(("train.lora.target_modules", cfg.train.lora.target_modules, model_path))
+    sketch_model = model_path
+    if need_sketch and cfg.sketch.model:
+        sketch_model = resolve_model_path(cfg.sketch.model, "sketch.model")
+        check_model_files(sketch_model, "sketch.model")
     if need_sketch and cfg.sketch.method == "gradient":
-        sketch_model = resolve_model_path(cfg.sketch.model) if cfg.sketch.model else model_path
         checks.append(("sketch.modules", cfg.sketch.modules, sketch_model))
     names_of: dict[str, list[str]] = {}
     for key, patterns, path in checks:
@@ -261,8 +288,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         RuntimeError: the trained-ids log does not match the plan.
     """
     from . import allocate, clustering, select
-    from .data import load_examples
-    from .model import load_tokenizer, resolve_model_path
+    from .data import load_examples, reason_category
+    from .model import check_model_files, load_tokenizer, resolve_model_path
 
     run_dir = Path(cfg.output.dir).expanduser().resolve()
     _prepare_run_dir(run_dir, resume)
@@ -291,15 +318,19 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
 
     # ---- data (before Ray: a bad config or data fails fast)
     with timer.stage("data"):
+        model_path = resolve_model_path(cfg.model.path)
+        check_model_files(model_path, "model.path")
         try:
-            model_path = resolve_model_path(cfg.model.path)
             tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        except OSError as err:  # transformers' error for an unknown hub id or an unreadable folder
+        except (OSError, ValueError) as err:  # an unknown hub id, an unreadable folder, no usable tokenizer files
             if isinstance(err, FileNotFoundError):
                 raise
-            raise ConfigError(f"model.path {cfg.model.path!r} cannot be loaded: {err}") from None
+            raise ConfigError(f"model.path {cfg.model.path!r}: cannot load its tokenizer: {err}") from None
         pad_id = int(tok.pad_token_id)
         data = load_examples(cfg.data, tok)
+        if resume:
+            _same_as_before(run_dir / "examples.parquet", data.train, ["example_id", "n_tokens"])
+            _same_as_before(run_dir / "eval_examples.parquet", data.eval, ["example_id"])
         pq.write_table(data.train, run_dir / "examples.parquet")
         pq.write_table(data.eval, run_dir / "eval_examples.parquet")
         with open(run_dir / "rejected.jsonl", "w", encoding="utf-8") as fh:
@@ -307,15 +338,15 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
                 fh.write(rej.to_json() + "\n")
         reasons: dict[str, int] = {}
         for rej in data.rejected:
-            key = rej.reason.split(":")[0]
+            key = reason_category(rej.reason)
             reasons[key] = reasons.get(key, 0) + 1
         print(
-            f"[ray-cluster-ft] read {data.n_read} rows: {data.train.num_rows} for selection, "
-            f"{data.eval.num_rows} held out, {len(data.rejected)} rejected {reasons or ''}",
+            f"[ray-cluster-ft] read {data.n_read} row{'' if data.n_read == 1 else 's'}: {data.train.num_rows} for "
+            f"selection, {data.eval.num_rows} held out, {len(data.rejected)} rejected" + (f" {reasons}" if reasons else ""),
             flush=True,
         )
     n_train = data.train.num_rows
-    check_against_data(cfg, n_train)
+    check_against_data(cfg, n_train, data.n_read)
     need_sketch = cfg.selection.strategy == "balanced" or cfg.allocation.strategy == "cluster"
     _check_module_patterns(cfg, model_path, need_sketch)
 
@@ -359,8 +390,11 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
                 cres = clustering.cluster_sketches(sketches, cfg.clustering.k, W, cfg.clustering.seed,
                                                    cfg.clustering.min_cluster_size)
                 labels, dist = cres.labels, cres.dist
-                pq.write_table(pa.table({"example_id": ids, "cluster": labels.astype(np.int32),
-                                         "distance": dist.astype(np.float32)}), run_dir / "clusters.parquet")
+                clusters = pa.table({"example_id": ids, "cluster": labels.astype(np.int32),
+                                     "distance": dist.astype(np.float32)})
+                if resume:
+                    _same_as_before(run_dir / "clusters.parquet", clusters, ["example_id", "cluster"])
+                pq.write_table(clusters, run_dir / "clusters.parquet")
             manifest["clustering"] = {"k": int(cres.k), "merged_small_clusters": int(cres.n_merged_clusters),
                                       "sizes": np.bincount(labels).tolist()}
             warning = _clustering_warning(cres.k, cres.n_merged_clusters, W, cfg.clustering.min_cluster_size)

@@ -17,7 +17,8 @@ def _table(header: list[str], rows: list[list]) -> str:
             if v.is_integer() and abs(v) >= 1000:  # token counts: 13,848, not 1.385e+04
                 return f"{v:,.0f}"
             return f"{v:.4g}"
-        return str(v)
+        # Cells can hold values from the data (domains, reasons): a pipe or a line break would split the table.
+        return " ".join(str(v).split()).replace("|", "\\|")
 
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]

@@ -1400,10 +1400,11 @@ def prepare_sketch_inputs(train, cfg, tokenizer) -> SketchInputs:
         table = pa.table({"example_id": train.column("example_id"), "text": pa.array(text, type=pa.string()),
                           "n_tokens": train.column("n_tokens")})
         # Resolved now, so a missing package fails before any Ray work.
-        return SketchInputs(table, resolve_model_path(sk.model) if sk.model else embedding_model_dir(), 0)
+        path = resolve_model_path(sk.model, "sketch.model") if sk.model else embedding_model_dir()
+        return SketchInputs(table, path, 0)
     cols = ["example_id", "input_ids", "labels", "n_tokens"]
     trained = resolve_model_path(cfg.model.path)
-    path = resolve_model_path(sk.model) if sk.model else trained
+    path = resolve_model_path(sk.model, "sketch.model") if sk.model else trained
     if path == trained:
         return SketchInputs(train.select(cols), path, int(tokenizer.pad_token_id))
     ptok = load_tokenizer(path, cfg.model.trust_remote_code)

@@ -182,10 +182,13 @@ def merge_deepspeed_config(base: dict, user: dict) -> dict:
     """``user`` merged over ``base``, recursively: nested mappings merge key by key, any other user value wins.
 
     The batch keys (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``train_batch_size``)
-    must agree with the plan, which fixed them: a user value that differs raises.
+    must agree with the plan, which fixed them: a user value that differs raises. Where ``base`` holds a
+    mapping (``optimizer``, ``zero_optimization``, ...) the user's value must be a mapping too: DeepSpeed would
+    otherwise fail inside every training worker.
 
     Raises:
-        ValueError: a user batch key that contradicts the job config (the plan's micro-batches would not fit).
+        ValueError: a user batch key that contradicts the job config (the plan's micro-batches would not fit),
+            or a non-mapping where ``base`` has a mapping.
     """
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         if key in user and user[key] != base.get(key):
@@ -196,10 +199,16 @@ def merge_deepspeed_config(base: dict, user: dict) -> dict:
     return _deep_merge(base, user)
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
+def _deep_merge(base: dict, over: dict, prefix: str = "") -> dict:
     out = dict(base)
     for key, value in over.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        if isinstance(out.get(key), dict):
+            if not isinstance(value, dict):
+                raise ValueError(f"the DeepSpeed config sets {prefix}{key}={value!r}, but DeepSpeed expects a mapping "
+                                 f"(a JSON object) there")
+            out[key] = _deep_merge(out[key], value, f"{prefix}{key}.")
+        else:
+            out[key] = value
     return out
 
 

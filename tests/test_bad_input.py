@@ -76,6 +76,7 @@ BAD_LINES = [
      "empty prompt: no user message before the response"),
     ("over-max-length-drop", {"prompt": "word " * 400, "response": "r"}, "over max length: "),
     ("duplicate", GOOD, "duplicate example: same content as "),
+    ("reserved-domain", {"prompt": "q3", "response": "r3", "domain": "all"}, "reserved domain: 'all' names the"),
 ]
 
 
@@ -191,6 +192,12 @@ def test_file_level_problems_name_the_file(tmp_path, demo_tokenizer):
     broken.write_text('[{"prompt": "q", "response": "r"},')
     with pytest.raises(ValueError, match="broken.json starts a JSON array but is not valid JSON"):
         _load([broken], demo_tokenizer)
+    import os
+
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)  # reading it would block forever
+    with pytest.raises(FileNotFoundError, match="data path .*rows.jsonl is not a regular file"):
+        _load([fifo], demo_tokenizer)
 
 
 def test_json_array_file_rows_and_positions(tmp_path, demo_tokenizer):
@@ -296,6 +303,26 @@ def test_mixed_file_run_manifest_accounts_for_every_row(tmp_path, tiny_model_dir
     ids = set(pq.read_table(out / "examples.parquet").column("example_id").to_pylist())
     ids |= set(pq.read_table(out / "eval_examples.parquet").column("example_id").to_pylist())
     assert {example_id(canonicalize(g)) for g in good} == ids
+    # The tally has one key per category, not per offending value (the two bad roles share one).
+    from collections import Counter
+
+    from ray_cluster_ft.data import reason_category
+
+    assert c["rejected_by_reason"] == dict(Counter(reason_category(b[2]) for b in BAD_LINES))
+    assert c["rejected_by_reason"]["messages[i].role not system/user/assistant"] == 2
+
+    # A refused resume (the data changed) leaves the run directory as it was.
+    before = {n: (out / n).read_bytes() for n in ("examples.parquet", "rejected.jsonl", "manifest.json")}
+    f.write_bytes(f.read_bytes() + json.dumps({"prompt": "a new row", "response": "r"}).encode() + b"\n")
+    with pytest.raises(ConfigError, match="--resume: examples.parquet computed now .* differs from the one in the "
+                                          "run directory"):
+        run_pipeline(cfg, plan_only=True, resume=True)
+    assert {n: (out / n).read_bytes() for n in before} == before
+    # A fresh run that fails after reading the data leaves no older manifest, plan or report behind.
+    with pytest.raises(ConfigError, match="selection.budget=10000 is above"):
+        run_pipeline(cfg.model_copy(update={"selection": cfg.selection.model_copy(update={"budget": 10000})}),
+                     plan_only=True)
+    assert not any((out / n).exists() for n in ("manifest.json", "plan.parquet", "report.md", "selection.parquet"))
 
 
 # --------------------------------------------------------------------------- config
@@ -424,7 +451,31 @@ def test_cli_reports_config_errors_before_ray(tmp_path, capsys):
     spec.write_text("trian: {}\n")
     assert main(["run", str(spec)]) == 2
     assert "unknown key 'trian'; did you mean 'train'?" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    spec.write_text(f"data:\n  paths: [{empty}]\noutput:\n  dir: {tmp_path / 'run4'}\n")
+    assert main(["run", str(spec)]) == 2
+    assert "no accepted training examples: the data files hold no rows" in capsys.readouterr().err
+    assert main(["check", str(tmp_path)]) == 2
+    assert f"job config {tmp_path} is a directory, not a YAML file" in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+def test_cli_ctrl_c_prints_one_line(tmp_path, capsys, monkeypatch):
+    from ray_cluster_ft import pipeline
+    from ray_cluster_ft.cli import main
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "run_pipeline", interrupted)
+    assert main(["run", str(tmp_path / "x.yaml")]) == 2  # a missing spec is still a config error
+    capsys.readouterr()
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"output:\n  dir: {tmp_path / 'run'}\n")
+    assert main(["run", str(spec)]) == 130
+    assert capsys.readouterr().err == ("ray-cluster-ft: interrupted; a stopped run continues with "
+                                       "`ray-cluster-ft run --resume RUN_DIR`\n")
 
 
 # --------------------------------------------------------------------------- run directory and model modules
@@ -452,9 +503,12 @@ def test_run_dir_guard_and_stale_artifacts(tmp_path):
         (run / f).write_text("old")
     _prepare_run_dir(run, resume=True)  # a resume keeps what it continues from
     assert (run / "final_model").exists() and (run / "train_log.jsonl").exists()
-    _prepare_run_dir(run, resume=False)  # a fresh run (plan-only too) drops the old run's training artifacts
+    (run / "notes.txt").write_text("the user's")
+    _prepare_run_dir(run, resume=False)  # a fresh run (plan-only too) drops the old run's artifacts
     left = sorted(p.name for p in run.iterdir())
-    assert left == sorted([RUN_MARKER, "sketches", "plan.parquet"])
+    assert left == sorted([RUN_MARKER, "sketches", "notes.txt"])  # sketch shards are reused by key
+    with pytest.raises(ConfigError, match="output.dir .*out.txt/sub cannot be created: Not a directory"):
+        _prepare_run_dir(a_file / "sub", resume=False)
 
 
 def test_module_patterns_are_checked_before_ray(tiny_model_dir):
@@ -474,6 +528,46 @@ def test_module_patterns_are_checked_before_ray(tiny_model_dir):
     _check_module_patterns(embed, str(tiny_model_dir), need_sketch=True)
 
 
+def test_model_folders_without_usable_weights_or_tokenizer_are_refused(tmp_path, tiny_model_dir):
+    import shutil
+
+    from ray_cluster_ft.model import check_model_files
+    from ray_cluster_ft.pipeline import _check_module_patterns, run_pipeline
+
+    check_model_files(str(tiny_model_dir))
+    check_model_files("HuggingFaceTB/SmolLM2-135M")  # a hub id: checked when loaded
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(FileNotFoundError, match="model.path '.*bare' has no weights: none of model.safetensors"):
+        check_model_files(str(bare))
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, cut)
+    blob = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(blob[:100])
+    with pytest.raises(FileNotFoundError, match="cannot read the weights file model.safetensors"):
+        check_model_files(str(cut), "sketch.model")
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, sharded, ignore=shutil.ignore_patterns("*.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="lists 2 missing shard"):
+        check_model_files(str(sharded))
+    # Through the pipeline, before Ray: the trained model, a separate sketch model, a folder without a tokenizer.
+    cfg = parse_config({"model": {"path": str(bare)}, "output": {"dir": str(tmp_path / "r1")}})
+    with pytest.raises(FileNotFoundError, match="model.path .* has no weights"):
+        run_pipeline(cfg)
+    sk = parse_config({"model": {"path": str(tiny_model_dir)}, "sketch": {"model": str(cut)}})
+    with pytest.raises(FileNotFoundError, match="sketch.model .*cannot read the weights file"):
+        _check_module_patterns(sk, str(tiny_model_dir), need_sketch=True)
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    shutil.copy(tiny_model_dir / "model.safetensors", no_tok / "model.safetensors")
+    cfg = parse_config({"model": {"path": str(no_tok)}, "output": {"dir": str(tmp_path / "r2")}})
+    with pytest.raises(ConfigError, match="model.path .*no_tok': cannot load its tokenizer"):
+        run_pipeline(cfg)
+
+
 def test_clustering_warning_when_fewer_clusters_than_ranks():
     from ray_cluster_ft.pipeline import _clustering_warning
 
@@ -482,6 +576,30 @@ def test_clustering_warning_when_fewer_clusters_than_ranks():
     assert msg.startswith("1 cluster after merging 35 clusters smaller than clustering.min_cluster_size=2, "
                           "fewer than the 2 ranks")
     assert _clustering_warning(3, 0, 8, 2).startswith("3 clusters, fewer than the 8 ranks")
+
+
+def test_reason_categories_fold_values_and_indices():
+    from ray_cluster_ft.data import reason_category
+
+    cases = {
+        "messages[3].role is 'ro|bot', expected system/user/assistant": "messages[i].role not system/user/assistant",
+        "messages[12].content is int, expected a string": "messages[i].content not a string",
+        "messages[0] is str, expected an object": "messages[i] not an object",
+        "field 'prompt' is int, expected a string": "field 'prompt' not a string",
+        "field 'prompt' is dict, expected a string": "field 'prompt' not a string",
+        "field 'response' is null": "field 'response' is null",
+        "invalid Unicode in messages[2].content: lone surrogate '\\ud800' at character 4": "invalid Unicode",
+        "over max length: 434 tokens > data.max_seq_len=128": "over max length",
+        "empty prompt": "empty prompt",
+    }
+    assert {r: reason_category(r) for r in cases} == cases
+
+
+def test_report_tables_escape_values_from_the_data():
+    from ray_cluster_ft.report import _table
+
+    out = _table(["domain", "examples"], [["co|de", 3], ["med\nical", 4]])
+    assert out.splitlines()[2:] == ["| co\\|de | 3 |", "| med ical | 4 |"]
 
 
 def test_report_tables_format_token_counts():

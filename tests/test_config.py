@@ -29,6 +29,7 @@ def test_jobs_demo_is_the_packaged_demo():
         ({"selection": {"budget": 2.5}}, "a count must be whole"),
         ({"selection": {"strategy": "best"}}, "selection.strategy"),
         ({"clustering": {"k": 0}}, "clustering.k"),
+        ({"sketch": {"modules": []}}, "sketch.modules: List should have at least 1 item"),
         ({"allocation": {"pad_tolerance": 1.5}}, "allocation.pad_tolerance: Input should be less than or equal to 1"),
         ({"data": {"source": "files"}}, "data.paths is empty"),
         ([1, 2], "mapping of sections"),
@@ -130,6 +131,11 @@ def test_deepspeed_batch_keys_are_checked_with_the_config(tmp_path):
     with pytest.raises(ConfigError, match="train_batch_size=16 but the plan needs 8"):
         parse_config({"train": {"deepspeed_config": str(ds)}})
     assert parse_config({"train": {"deepspeed_config": str(ds), "num_workers": 4}}).train.num_workers == 4
+    ds.write_text(json.dumps({"optimizer": 5}))  # DeepSpeed would fail in every worker
+    with pytest.raises(ConfigError, match="sets optimizer=5, but DeepSpeed expects a mapping"):
+        parse_config({"train": {"deepspeed_config": str(ds)}})
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    assert parse_config({"train": {"deepspeed_config": str(ds)}}).train.deepspeed_config == str(ds)
 
 
 def test_clustering_k_only_checked_where_clustering_runs():
