@@ -157,6 +157,9 @@ class ClusteringConfig(_Section):
     def _k_not_bool(cls, v: Any) -> Any:
         if isinstance(v, bool):  # YAML `true` would otherwise become k = 1
             raise ValueError("clustering.k must be a whole number or 'auto', not a boolean")
+        if isinstance(v, str) and v != "auto" and not v.strip().lstrip("+-").isdigit():
+            # one message, not one per member of the int | 'auto' union
+            raise ValueError("must be a whole number or 'auto'")
         return v
 
     @field_validator("k")
@@ -187,7 +190,7 @@ class SelectionConfig(_Section):
     @classmethod
     def _budget_shape(cls, v: float) -> float:
         if v > 1 and v != int(v):
-            raise ValueError(f"selection.budget={v}: a fraction must be in (0, 1], a count must be whole")
+            raise ValueError("a fraction must be in (0, 1], a count must be whole")
         return v
 
 
