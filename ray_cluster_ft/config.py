@@ -235,7 +235,7 @@ class TrainConfig(_Section):
     zero_stage: Literal[0, 1, 2, 3] = 2
     micro_batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1)
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, le=1000, description="passes over the selection (the plan grows with it)")
     lr: float = Field(2e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
@@ -313,7 +313,7 @@ class EvaluationConfig(_Section):
 class OutputConfig(_Section):
     """Where the run directory goes."""
 
-    dir: str = "runs/demo"
+    dir: str = Field("runs/demo", min_length=1)
     save_model: bool = True
 
 

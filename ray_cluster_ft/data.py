@@ -581,7 +581,12 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
             rejected.append(Rejection(src, pos, str(err), row))
             continue
         source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
-        domain = row.get("domain") if isinstance(row.get("domain"), str) and row.get("domain") else "default"
+        domain = row.get("domain")
+        if domain is not None and not isinstance(domain, str):
+            rejected.append(Rejection(src, pos, f"field 'domain' is {type(domain).__name__}, expected a string", row))
+            continue
+        domain = " ".join(domain.split()) if domain else ""  # " all " and "all" are one name in the report
+        domain = domain or "default"
         if domain == "all":  # the name of the every-domain aggregate in the evaluation
             rejected.append(Rejection(src, pos, "reserved domain: 'all' names the aggregate over every domain in "
                                                 "the evaluation; rename the row's domain", row))

@@ -181,6 +181,27 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
                 path.unlink(missing_ok=True)
 
 
+def _check_deepspeed_values(cfg: JobConfig) -> None:
+    """Validate the merged ZeRO section with DeepSpeed's own config model on the driver: a bad value in a
+    user's DeepSpeed JSON (``"stage": "three"``) would otherwise fail in every training worker, after the
+    sketch and the first evaluation.
+
+    Raises:
+        ConfigError: naming the DeepSpeed file and DeepSpeed's own message.
+    """
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from .train import deepspeed_config
+
+    zero = deepspeed_config(cfg.train, total_steps=1).get("zero_optimization", {})
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except Exception as err:  # pydantic's ValidationError, or a TypeError for an unknown shape
+        lines = [x.strip() for x in str(err).splitlines() if x.strip()]
+        raise ConfigError(f"train.deepspeed_config {cfg.train.deepspeed_config}: zero_optimization is not valid "
+                          f"for DeepSpeed: {' '.join(lines[1:3]) if len(lines) > 2 else ' '.join(lines)}") from None
+
+
 def _same_as_before(path: Path, table: pa.Table, columns: list[str]) -> None:
     """On ``--resume``: the artifact recomputed now must equal the one the run wrote (in ``columns``), checked
     before it is overwritten, so a refused resume leaves the run directory as it was.
@@ -325,7 +346,9 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         except (OSError, ValueError) as err:  # an unknown hub id, an unreadable folder, no usable tokenizer files
             if isinstance(err, FileNotFoundError):
                 raise
-            raise ConfigError(f"model.path {cfg.model.path!r}: cannot load its tokenizer: {err}") from None
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"model.path {cfg.model.path!r}: cannot load its tokenizer (are its tokenizer files "
+                              f"there?): {first}") from None
         pad_id = int(tok.pad_token_id)
         data = load_examples(cfg.data, tok)
         if resume:
@@ -347,6 +370,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         )
     n_train = data.train.num_rows
     check_against_data(cfg, n_train, data.n_read)
+    if cfg.train.deepspeed_config:
+        _check_deepspeed_values(cfg)
     need_sketch = cfg.selection.strategy == "balanced" or cfg.allocation.strategy == "cluster"
     _check_module_patterns(cfg, model_path, need_sketch)
 

@@ -77,6 +77,8 @@ BAD_LINES = [
     ("over-max-length-drop", {"prompt": "word " * 400, "response": "r"}, "over max length: "),
     ("duplicate", GOOD, "duplicate example: same content as "),
     ("reserved-domain", {"prompt": "q3", "response": "r3", "domain": "all"}, "reserved domain: 'all' names the"),
+    ("spaced-reserved-domain", {"prompt": "q4", "response": "r4", "domain": " all "}, "reserved domain: "),
+    ("int-domain", {"prompt": "q5", "response": "r5", "domain": 7}, "field 'domain' is int, expected a string"),
 ]
 
 
@@ -593,6 +595,38 @@ def test_reason_categories_fold_values_and_indices():
         "empty prompt": "empty prompt",
     }
     assert {r: reason_category(r) for r in cases} == cases
+
+
+def test_deepspeed_values_are_checked_with_deepspeeds_own_model(tmp_path):
+    from ray_cluster_ft.pipeline import _check_deepspeed_values
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}}))
+    for train in ({"zero_stage": 3, "offload": "params"}, {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 0}):
+        _check_deepspeed_values(parse_config({"train": {"deepspeed_config": str(ds), **train}}))
+    ds.write_text(json.dumps({"zero_optimization": {"stage": "three"}}))
+    with pytest.raises(ConfigError, match="ds.json: zero_optimization is not valid for DeepSpeed: stage Input should"):
+        _check_deepspeed_values(parse_config({"train": {"deepspeed_config": str(ds)}}))
+    ds.write_text(json.dumps({"zero_optimization": {"offload_optimizer": "cpu"}}))
+    with pytest.raises(ConfigError, match="offload_optimizer Input should be a valid dictionary"):
+        _check_deepspeed_values(parse_config({"train": {"deepspeed_config": str(ds)}}))
+
+
+def test_report_says_why_there_is_no_evaluation_after_training(tmp_path):
+    import numpy as np
+
+    from ray_cluster_ft.allocate import make_plan
+    from ray_cluster_ft.report import write_report
+
+    plan = make_plan(np.array([f"e{i}" for i in range(8)]), np.arange(8) % 2, np.full(8, 10), 2, 2).plan
+    manifest = {"counts": {k: 8 for k in ("read", "accepted", "selected", "trained")} | {
+                    "rejected": 0, "held_out": 2, "not_selected": 0},
+                "timings_s": {"total": 1.0}, "train": {"steps": 2},
+                "config": {"output": {"save_model": False}},
+                "eval": {"before": {"all": {"examples": 2, "loss": 1.0, "perplexity": 2.7}}, "after": {}}}
+    report = write_report(tmp_path, manifest, plan, None, np.arange(8)).read_text()
+    assert "| all | 2 | 1 | nan | 2.7 | nan |" in report
+    assert "No evaluation after training: `output.save_model` is false, so no final model was written." in report
 
 
 def test_report_tables_escape_values_from_the_data():

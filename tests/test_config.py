@@ -32,6 +32,8 @@ def test_jobs_demo_is_the_packaged_demo():
         ({"clustering": {"k": "automatic"}}, "clustering.k: must be a whole number or 'auto' (got 'automatic')"),
         ({"selection": {"budget": 1.5}}, "selection.budget: a fraction must be in (0, 1], a count must be whole"),
         ({"sketch": {"modules": []}}, "sketch.modules: List should have at least 1 item"),
+        ({"train": {"epochs": 10**12}}, "train.epochs: Input should be less than or equal to 1000"),
+        ({"output": {"dir": ""}}, "output.dir: String should have at least 1 character"),
         ({"allocation": {"pad_tolerance": 1.5}}, "allocation.pad_tolerance: Input should be less than or equal to 1"),
         ({"data": {"source": "files"}}, "data.paths is empty"),
         ([1, 2], "mapping of sections"),
