@@ -211,8 +211,7 @@ def install_evaluator(args) -> dict | None:
                                              time_limit_s=args.time_limit, exec_workers=1, with_samples=True))
         res, samples = copy.deepcopy(cache[key])
         if samples_path is not None:  # per-item records, as the pipeline's own evaluation writes them
-            Path(samples_path).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in samples),
-                                          encoding="utf-8")
+            pipeline.write_samples(samples_path, samples)
         return res
 
     pipeline._eval_remote = _eval

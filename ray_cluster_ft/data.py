@@ -585,8 +585,7 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         if domain is not None and not isinstance(domain, str):
             rejected.append(Rejection(src, pos, f"field 'domain' is {type(domain).__name__}, expected a string", row))
             continue
-        domain = " ".join(domain.split()) if domain else ""  # " all " and "all" are one name in the report
-        domain = domain or "default"
+        domain = " ".join((domain or "").split()) or "default"  # " all " and "all" are one name in the report
         if domain == "all":  # the name of the every-domain aggregate in the evaluation
             rejected.append(Rejection(src, pos, "reserved domain: 'all' names the aggregate over every domain in "
                                                 "the evaluation; rename the row's domain", row))

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from .config import ConfigError, JobConfig, budget_count, check_against_data
 
-__all__ = ["run_pipeline", "verify_trained"]
+__all__ = ["run_pipeline", "verify_trained", "write_samples"]
 
 
 class _Timer:
@@ -131,9 +131,14 @@ def _eval_remote(model_path: str, table: pa.Table, cfg: JobConfig, pad_token_id:
                     max_new_tokens=cfg.evaluation.max_new_tokens, time_limit_s=cfg.evaluation.time_limit_s,
                     exec_workers=1, with_samples=True)
     )
-    with open(samples_path, "w", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in samples)
+    write_samples(samples_path, samples)
     return metrics
+
+
+def write_samples(path: Path, samples: list[dict]) -> None:
+    """Write :func:`.evaluate.evaluate_tasks`' per-task records to ``path``, one JSON object per line."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in samples)
 
 
 RUN_MARKER = ".ray-cluster-ft-run"
@@ -219,11 +224,13 @@ def _same_as_before(path: Path, table: pa.Table, columns: list[str]) -> None:
 
 
 def _check_module_patterns(cfg: JobConfig, model_path: str, need_sketch: bool) -> None:
-    """Every LoRA target and sketched module pattern must name an ``nn.Linear`` of its model: a typo would
-    otherwise fail inside the Ray workers (retried ``max_failures`` times) or silently sketch fewer modules.
+    """Every LoRA target and sketched module pattern must name an ``nn.Linear`` of its model, and a separate
+    ``sketch.model`` must hold readable weights: either mistake would otherwise fail inside the Ray workers
+    (retried ``max_failures`` times), and a pattern typo could silently sketch fewer modules.
 
     Raises:
         ConfigError: naming the patterns that match nothing and the valid suffixes.
+        FileNotFoundError: ``sketch.model`` cannot be resolved or has no readable weights (named as such).
     """
     from .model import check_model_files, linear_module_names, resolve_model_path
 

@@ -139,10 +139,9 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
                          after.get("perplexity", float("nan"))])
         lines += ["## Held-out loss (response tokens, nats/token)", "",
                   _table(["domain", "examples", "loss before", "loss after", "ppl before", "ppl after"], rows), ""]
-        if not ev.get("after") and manifest.get("train"):
-            why = ("`output.save_model` is false, so no final model was written" if not
-                   manifest.get("config", {}).get("output", {}).get("save_model", True) else "no final model was written")
-            lines += [f"No evaluation after training: {why}.", ""]
+        if manifest.get("train") and not manifest.get("config", {}).get("output", {}).get("save_model", True):
+            lines += ["No evaluation after training: `output.save_model` is false, so no final model was written.",
+                      ""]
         task_rows = []
         for d, v in ev["before"].items():
             after = ev.get("after", {}).get(d, {})
