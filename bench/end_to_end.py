@@ -1,7 +1,7 @@
 """Side by side: does balanced selection keep held-out quality at a fraction of the time? (issue 7)
 
 One model (the demo SmolLM2-135M-Instruct), one dataset, the same epochs and hyper-parameters for every arm;
-each arm is one ``ray_cluster_ft.pipeline.run_pipeline`` run that differs only in its selection, allocation
+each arm is one ``ray_cluster_ft.run_pipeline`` run that differs only in its selection, allocation
 and sketch settings:
 
 =====================  ============================  =========  ==========  ==============
@@ -25,8 +25,8 @@ response-token loss, multiple-choice accuracy (MMLU) and pass@1 (HumanEval, MBPP
 ``--max-seq-len`` tokens are truncated (a prompt alone that long is rejected).
 
 Evaluation runs through :func:`ray_cluster_ft.evaluate.evaluate_model_path` with the task metrics: for the
-duration of the benchmark ``pipeline._eval_remote`` is replaced by a wrapper that adds the tasks and memoises
-each model's result, so the base model's evaluation (``evaluate_before``, the same for every arm of a seed)
+benchmark passes its own evaluator to ``run_pipeline(evaluator=...)``, which adds the tasks and memoises each
+model's result, so the base model's evaluation (``evaluate_before``, the same for every arm of a seed)
 runs once. Ray is started once for all arms.
 
 Figures per arm: time per stage (``manifest["timings_s"]``), end-to-end time = the pipeline's total minus
@@ -108,10 +108,10 @@ def write_data(out_dir: Path, examples: int, seed: int = 0) -> list[str]:
         FileNotFoundError: the shared data folder lacks mbpp.jsonl or medquad.jsonl.
     """
     from ray_cluster_ft.data import iter_demo_rows
-    from ray_cluster_ft.evaluate import _humaneval_records, demo_eval_fields
+    from ray_cluster_ft.evaluate import humaneval_records, demo_eval_fields
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    he = _humaneval_records()
+    he = humaneval_records()
     by_source: dict[str, list] = {"humaneval": [], "mmlu-medical": []}
     for _src, _pos, row in iter_demo_rows(limit=examples, seed=seed):
         by_source[row["source"]].append({**row, **demo_eval_fields(row, he)})
@@ -183,39 +183,35 @@ def arm_config(arm: str, args, seed: int, paths: list[str], run_dir: Path, budge
 # --------------------------------------------------------------------------- evaluation
 
 
-def install_evaluator(args) -> dict | None:
-    """Replace ``pipeline._eval_remote`` by a memoising wrapper that adds the task metrics; returns the cache
-    (``None`` and a printed reason when the pipeline has no such hook)."""
+def make_evaluator(args, cache: dict):
+    """A memoising :data:`ray_cluster_ft.evaluate.Evaluator` with the benchmark's task limits; ``cache`` is shared
+    by every arm, so the base model of a seed is evaluated once. Returns ``evaluator_for(cfg)``."""
     import ray
 
-    from ray_cluster_ft import pipeline
     from ray_cluster_ft.evaluate import eval_tasks, evaluate_model_path
 
-    if not callable(getattr(pipeline, "_eval_remote", None)):
-        print("[bench] pipeline._eval_remote not found: the pipeline's own evaluation is used (no memoising)",
-              flush=True)
-        return None
-    cache: dict = {}
+    def evaluator_for(cfg):
+        from ray_cluster_ft.model import load_tokenizer
 
-    def _eval(model_path, table, cfg, pad_token_id, _tasks=None, samples_path=None):
-        key = (str(model_path), tuple(table.column("example_id").to_pylist()))
-        if key in cache:
-            print(f"[bench] evaluation of {model_path} reused", flush=True)
-        else:
-            tasks = eval_tasks(cfg.data, table, max_mc=args.max_mc, max_code=args.max_code)
-            task = ray.remote(evaluate_model_path).options(
-                num_cpus=1, num_gpus=1 if cfg.train.use_gpu else 0,
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.eval_threads)}})
-            cache[key] = ray.get(task.remote(model_path, table, 8, pad_token_id, cfg.model.trust_remote_code,
-                                             args.eval_threads, tasks=tasks, max_new_tokens=args.max_new_tokens,
-                                             time_limit_s=args.time_limit, exec_workers=1, with_samples=True))
-        res, samples = copy.deepcopy(cache[key])
-        if samples_path is not None:  # per-item records, as the pipeline's own evaluation writes them
-            pipeline.write_samples(samples_path, samples)
-        return res
+        pad = int(load_tokenizer(cfg.model.path, cfg.model.trust_remote_code).pad_token_id)
 
-    pipeline._eval_remote = _eval
-    return cache
+        def evaluate(model_path, table, _tasks):
+            key = (str(model_path), tuple(table.column("example_id").to_pylist()))
+            if key in cache:
+                print(f"[bench] evaluation of {model_path} reused", flush=True)
+            else:
+                tasks = eval_tasks(cfg.data, table, max_mc=args.max_mc, max_code=args.max_code)
+                task = ray.remote(evaluate_model_path).options(
+                    num_cpus=1, num_gpus=1 if cfg.train.use_gpu else 0,
+                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.eval_threads)}})
+                cache[key] = ray.get(task.remote(model_path, table, 8, pad, cfg.model.trust_remote_code,
+                                                 args.eval_threads, tasks=tasks, max_new_tokens=args.max_new_tokens,
+                                                 time_limit_s=args.time_limit, exec_workers=1, with_samples=True))
+            return copy.deepcopy(cache[key])
+
+        return evaluate
+
+    return evaluator_for
 
 
 # --------------------------------------------------------------------------- one arm
@@ -228,7 +224,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def run_arm(arm: str, args, seed: int, paths: list[str], out: Path, budget: float | None = None,
-            sketch_donor: dict | None = None) -> dict:
+            sketch_donor: dict | None = None, evaluator_for=None) -> dict:
     """Run one arm; returns its figures (or ``{"error": ...}``, ``{"skipped": reason}``).
 
     ``sketch_donor``: the figures of the same seed's ``balanced_cluster`` arm. A gradient-sketch ablation then
@@ -239,7 +235,7 @@ def run_arm(arm: str, args, seed: int, paths: list[str], out: Path, budget: floa
     import pandas as pd
 
     from ray_cluster_ft.config import ConfigError, parse_config
-    from ray_cluster_ft.pipeline import run_pipeline
+    from ray_cluster_ft import run_pipeline
 
     run_dir = out / f"seed{seed}" / arm
     reuse = (sketch_donor is not None and ARMS[arm][3] == "gradient" and arm not in ARM_SKETCH
@@ -256,7 +252,7 @@ def run_arm(arm: str, args, seed: int, paths: list[str], out: Path, budget: floa
     print(f"[bench] ===== seed {seed} arm {arm}: {ARMS[arm][0]}", flush=True)
     t0 = time.perf_counter()
     try:
-        manifest = run_pipeline(cfg)
+        manifest = run_pipeline(cfg, evaluator=evaluator_for(cfg) if evaluator_for else None)
     except Exception as err:  # noqa: BLE001 - one failed arm must not lose the others' figures
         print(f"[bench] arm {arm} failed: {type(err).__name__}: {err}", flush=True)
         return {"error": f"{type(err).__name__}: {err}"}
@@ -563,10 +559,10 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     paths = write_data(out / "data", args.examples, seed=0)
     print(f"[bench] data: {', '.join(paths)}", flush=True)
-    from ray_cluster_ft import pipeline
+    from ray_cluster_ft._ray import init_ray
 
-    pipeline._init_ray(None, False)  # once for every arm (each run_pipeline then joins it)
-    install_evaluator(args)
+    init_ray(None, False)  # once for every arm (each run_pipeline then joins it)
+    evaluator_for = make_evaluator(args, {})
     results: dict = {}
     budgets: dict = {}
     try:
@@ -579,7 +575,8 @@ def main(argv=None) -> dict:
                 [a for a in args.arms if a in args.extra_seed_arms]
             for arm in arms:
                 donor = results[seed].get("balanced_cluster") if args.reuse_sketches else None
-                results[seed][arm] = run_arm(arm, args, seed, paths, out, budget, sketch_donor=donor)
+                results[seed][arm] = run_arm(arm, args, seed, paths, out, budget, sketch_donor=donor,
+                                           evaluator_for=evaluator_for)
     finally:
         import ray
 

@@ -5,7 +5,7 @@ from ``medquad.jsonl`` of the shared data folder, tokenized with the demo chat t
 truncated to ``--max-seq-len``). For every pair of examples: the cosine between their full per-example
 gradients over the sketched modules (plain autograd w.r.t. the weights, one example at a time) and the cosine
 between their sketches (the batched factorised sketch, then each dim's own final projection R);
-``ray_cluster_ft.sketch.sketch_fidelity`` does the work. Reported per dim: mean and largest absolute error,
+``ray_cluster_ft.features.sketch_fidelity`` does the work. Reported per dim: mean and largest absolute error,
 Pearson correlation, and the reference's own mean absolute deviation (the error of knowing only the mean).
 
 The full gradients are held in memory: examples x parameters of the sketched modules in float32 (64 x 15.0 M
@@ -50,7 +50,7 @@ def main() -> None:
     import torch
 
     from ray_cluster_ft.model import load_model, load_tokenizer
-    from ray_cluster_ft.sketch import select_modules, sketch_fidelity
+    from ray_cluster_ft.features import select_modules, sketch_fidelity
     from tests.conftest import shared_data_dir
     from tests.test_sketch_fidelity import real_examples
 

@@ -168,8 +168,9 @@ def main() -> None:
     import torch
 
     from ray_cluster_ft.model import load_model, load_tokenizer
-    from ray_cluster_ft.sketch import _autocast, _finish, make_projector, select_modules, sketch_batch, \
-        weight_gradients
+    from ray_cluster_ft.features import make_projector, select_modules, sketch_batch, weight_gradients
+    from ray_cluster_ft.features.projection import _finish
+    from ray_cluster_ft.features.sketchers import _autocast
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

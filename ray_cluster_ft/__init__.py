@@ -1,9 +1,75 @@
-"""ray-cluster-ft: clustering-based balanced sampling and allocation (CluSTER, EMNLP 2026) for data-parallel
-fine-tuning, as a distributed workflow on Ray (Ray Data sketches, driver-side selection and planning, Ray Train +
-DeepSpeed training).
+"""ray-cluster-ft: clustering-based balanced sampling and allocation (CluSTER, Kim et al., EMNLP 2026) for
+data-parallel fine-tuning, as a distributed workflow on Ray: Ray Data actors compute per-example features, the
+driver clusters them, selects a balanced subset and plans which rank trains which example at which step, and
+Ray Train + DeepSpeed workers train exactly that plan.
 
-Stages, one module each: ``config``, ``data``, ``sketch``, ``clustering``, ``select``, ``allocate``, ``train``,
-``evaluate``, ``pipeline``, ``cli``.
+The stages, one module or package each, every one a ``run(cfg, run_dir, ...)`` that owns its artifacts
+(docs/design.md):
+
+* :mod:`ray_cluster_ft.data`: sources -> tokenized examples + rejected rows; the one :func:`collate`;
+* :mod:`ray_cluster_ft.features`: gradient sketches (or embeddings) by Ray Data actors, resumable shards;
+* :mod:`ray_cluster_ft.clustering`: spherical k-means; :mod:`ray_cluster_ft.select`: water-filled quotas and
+  k-center picks; :mod:`ray_cluster_ft.allocate`: the rank x step plan (pure algorithms, no Ray);
+* :mod:`ray_cluster_ft.train`: Ray Train + DeepSpeed workers that train exactly their planned rows;
+* :mod:`ray_cluster_ft.evaluate`: held-out loss, multiple-choice accuracy, pass@1;
+* :func:`run_pipeline` (:mod:`ray_cluster_ft.recipe`) runs them in order; ``ray-cluster-ft`` is the CLI.
+
+The stage packages keep their names (``ray_cluster_ft.train`` is the package, its driver is
+``ray_cluster_ft.train.train``). Configs are pydantic models (:class:`JobConfig` and its sections), read from YAML by :func:`load_config`.
 """
 
+from .allocate import PlanResult, check_plan, make_plan, plan_metrics
+from .clustering import ClusterResult, cluster_sketches
+from .config import (
+    AllocationConfig,
+    ClusteringConfig,
+    ConfigError,
+    DataConfig,
+    EvaluationConfig,
+    JobConfig,
+    LoraConfig,
+    ModelConfig,
+    OutputConfig,
+    SelectionConfig,
+    SketchConfig,
+    TrainConfig,
+    load_config,
+    parse_config,
+)
+from .data import collate, load_examples
+from .features import compute_sketches, read_sketches
+from .recipe import run_pipeline
+from .select import SelectionResult
+from .train import TrainResult
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "AllocationConfig",
+    "ClusterResult",
+    "ClusteringConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvaluationConfig",
+    "JobConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "PlanResult",
+    "SelectionConfig",
+    "SelectionResult",
+    "SketchConfig",
+    "TrainConfig",
+    "TrainResult",
+    "check_plan",
+    "cluster_sketches",
+    "collate",
+    "compute_sketches",
+    "load_config",
+    "load_examples",
+    "make_plan",
+    "parse_config",
+    "plan_metrics",
+    "read_sketches",
+    "run_pipeline",
+]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 __all__ = ["main", "demo_config_path"]
@@ -34,14 +37,46 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the run stops where it is (its finished artifacts and checkpoints stay)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGINT (Ctrl-C) and SIGTERM (``ray job stop``, Kubernetes, schedulers) raise :class:`Interrupted` in the
+    main thread for the duration of a run, so both stop it the same way: workers stopped, one line, exit
+    ``128 + signal`` (130, 143)."""
+    def raise_interrupted(signum, _frame):
+        raise Interrupted(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for a config error)."""
+    """Entry point; returns the process exit code (2 for a config error, 130 after SIGINT, 143 after SIGTERM)."""
     from .config import ConfigError, load_config
 
     args = _parser().parse_args(argv)
+    run_dir = None
     try:
         if args.command == "check":
             cfg = load_config(args.config)
+            if cfg.train.deepspeed_config:
+                from .train import build_deepspeed_config
+
+                build_deepspeed_config(cfg.train)
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
             return 0
         resume = getattr(args, "resume", None)
@@ -59,17 +94,21 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("run needs a job spec (CONFIG) or --resume RUN_DIR")
             overrides = {"output.dir": args.output} if args.output else {}
         cfg = load_config(path, overrides)
-        from .pipeline import run_pipeline
+        run_dir = Path(cfg.output.dir).expanduser().resolve()
+        from .recipe import run_pipeline
 
-        manifest = run_pipeline(cfg, address=args.address, plan_only=getattr(args, "plan_only", False),
-                                resume=bool(resume))
+        with _stop_on_signals():
+            manifest = run_pipeline(cfg, address=args.address, plan_only=getattr(args, "plan_only", False),
+                                    resume=bool(resume))
     except (ConfigError, FileNotFoundError) as err:
         print(f"ray-cluster-ft: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ray was shut down by the pipeline's own cleanup; no traceback for a Ctrl-C
-        print("ray-cluster-ft: interrupted; a stopped run continues with `ray-cluster-ft run --resume RUN_DIR`",
+    except KeyboardInterrupt as err:  # the recipe shut Ray down (workers stopped); no traceback
+        signum = getattr(err, "signum", signal.SIGINT)
+        where = f"`ray-cluster-ft run --resume {run_dir}`" if run_dir else "`ray-cluster-ft run --resume RUN_DIR`"
+        print(f"ray-cluster-ft: interrupted ({signal.Signals(signum).name}); continue the run with {where}",
               file=sys.stderr)
-        return 130
+        return 128 + signum
     c, t = manifest["counts"], manifest["timings_s"]
     print(f"[ray-cluster-ft] done: read {c['read']}, rejected {c['rejected']}, selected {c['selected']}, "
           f"trained {c['trained']}; total {t['total']:.0f} s")

@@ -1,4 +1,4 @@
-"""Spherical k-means on gradient sketches (DESIGN.md "Cluster").
+"""Spherical k-means on gradient sketches (docs/design.md, "Cluster").
 
 The driver groups examples by the direction of their gradient sketch: two examples whose sketches point the
 same way teach the model the same thing. Clustering follows CluSTER (Kim et al., EMNLP 2026, arXiv 2609.12584:
@@ -14,12 +14,15 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Union
 
 import numpy as np
 import scipy.sparse as sp
 
 __all__ = [
+    "clustering_warning",
+    "run",
     "MINIBATCH_THRESHOLD",
     "ClusterResult",
     "auto_k",
@@ -69,7 +72,7 @@ def auto_k(n: int, world_size: int) -> int:
     ``k = min(n, max(2 * world_size, min(100, round(sqrt(n / 10)))))``
 
     - ``sqrt(n / 10)`` grows slowly with the data: 10 clusters at 10^3 examples, 32 at 10^4, 100 at 10^5;
-    - capped at 100, the order the anchors use (about 100 clusters for 10^5-10^6 examples, DESIGN.md);
+    - capped at 100, the order the anchors use (about 100 clusters for 10^5-10^6 examples, docs/design.md "Cluster");
     - at least ``2 * world_size``, so every optimizer step can draw its ``world_size`` micro-batches from
       distinct clusters with room to spare (with k == world_size every cluster would have to appear in every
       step, which forces equal cluster sizes);
@@ -358,3 +361,55 @@ def cluster_sketches(
         centroids, _ = _centroids_of(xn, labels, k_final)
     dist = _own_distance(xn, labels, centroids)
     return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=k_final, n_merged_clusters=n_merged)
+
+
+def clustering_warning(k: int, n_merged: int, world_size: int, min_cluster_size: int) -> str | None:
+    """The sentence the run prints (and the manifest and report keep) when clustering left fewer clusters
+    than ranks: then the W micro-batches of a step cannot all come from distinct clusters."""
+    if k >= world_size:
+        return None
+    merged = (f" after merging {n_merged} clusters smaller than clustering.min_cluster_size={min_cluster_size}"
+              if n_merged else "")
+    return (f"{k} cluster{'s' if k != 1 else ''}{merged}, fewer than the {world_size} ranks: the ranks of a step "
+            f"cannot all train different clusters (see plan_metrics.collisions_per_step); use more data, a "
+            f"smaller clustering.min_cluster_size or a larger clustering.k")
+
+
+def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, resume: bool = False) -> tuple:
+    """The cluster stage's edge: :func:`cluster_sketches` on the features, ``clusters.parquet`` written
+    (``example_id``, ``cluster`` int32, ``distance`` float32 to the final centroid).
+
+    Args:
+        cfg: the job config (``clustering`` section, ``train.num_workers`` for ``k: auto``).
+        run_dir: the run directory.
+        example_ids: str ``(N,)`` candidate ids, in the order of ``sketches``.
+        sketches: float32 ``(N, d)``.
+        resume: the stopped run's ``clusters.parquet`` must hold the same assignment.
+
+    Returns:
+        ``(ClusterResult, summary)``: the summary is the manifest's ``clustering`` entry (k, merged clusters,
+        sizes, and the :func:`clustering_warning` when there is one).
+
+    Raises:
+        ConfigError: (``resume``) the assignment changed.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .rundir import claim, same_as_before
+
+    c = cfg.clustering
+    W = cfg.train.num_workers
+    res = cluster_sketches(sketches, c.k, W, c.seed, c.min_cluster_size)
+    table = pa.table({"example_id": example_ids, "cluster": res.labels.astype(np.int32),
+                      "distance": res.dist.astype(np.float32)})
+    if resume:
+        same_as_before(run_dir / "clusters.parquet", table, ["example_id", "cluster"])
+    pq.write_table(table, claim(run_dir, "clusters.parquet"))
+    summary = {"k": int(res.k), "merged_small_clusters": int(res.n_merged_clusters),
+               "sizes": np.bincount(res.labels).tolist()}
+    warning = clustering_warning(res.k, res.n_merged_clusters, W, c.min_cluster_size)
+    if warning:
+        summary["warning"] = warning
+        print(f"[ray-cluster-ft] warning: {warning}", flush=True)
+    return res, summary

@@ -4,6 +4,9 @@ Every section forbids unknown keys, so a typo fails before any Ray work with a m
 (and the nearest valid key). Impossible combinations that need no data (a micro-batch of 0, a fractional
 budget above 1) fail here too; those that need the accepted-example count fail in
 :func:`check_against_data`, still before Ray starts a single worker.
+
+A pure schema: validation reads no file and imports no stage (the user's DeepSpeed JSON is read and checked on
+the driver by :func:`ray_cluster_ft.train.build_deepspeed_config`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "ConfigError",
@@ -103,7 +113,7 @@ class ModelConfig(_Section):
 
 
 class SketchConfig(_Section):
-    """Per-example sketches (DESIGN.md "Sketch"): LoGra factorised gradient projection (Choe et al. 2024), or
+    """Per-example sketches (docs/design.md, "Features"): LoGra factorised gradient projection (Choe et al. 2024), or
     sentence embeddings of the text as a model-free baseline.
 
     ``model`` names a (smaller) proxy model to sketch with, ``null`` = the trained model (Yin & Rush, ICLR
@@ -205,6 +215,9 @@ class AllocationConfig(_Section):
         0.05, ge=0.0, le=1.0,
         description="cluster only: largest padding fraction a single-cluster micro-batch may keep; the others "
                     "are re-cut from rows of several clusters (higher: purer micro-batches, more padding)")
+    allow_shared_clusters: bool = Field(
+        False, description="cluster only: run with clustering.k below train.num_workers (ranks of a step then "
+                           "share clusters); off, such a config is refused")
 
 
 class LoraConfig(_Section):
@@ -261,43 +274,12 @@ class TrainConfig(_Section):
             raise ValueError("train.offload='params' needs train.zero_stage = 3")
         return self
 
-    @model_validator(mode="after")
-    def _deepspeed_batch_keys(self) -> "TrainConfig":
-        if self.deepspeed_config is None:
-            return self
-        import json
-
-        user = json.loads(Path(self.deepspeed_config).read_text(encoding="utf-8"))
-        plan = {"train_micro_batch_size_per_gpu": self.micro_batch_size,
-                "gradient_accumulation_steps": self.grad_accum,
-                "train_batch_size": self.micro_batch_size * self.grad_accum * self.num_workers}
-        for key, want in plan.items():
-            if key in user and user[key] != want:
-                raise ValueError(
-                    f"the DeepSpeed config {self.deepspeed_config} sets {key}={user[key]!r} but the plan needs "
-                    f"{want!r}; set train.micro_batch_size / train.grad_accum / train.num_workers instead")
-        from .train import deepspeed_config  # here, not at the top: train imports this module
-
-        deepspeed_config(self, total_steps=1)  # the merge itself refuses a non-mapping where DeepSpeed needs one
-        return self
-
     @field_validator("deepspeed_config")
     @classmethod
-    def _readable_json(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        import json
-
-        p = Path(v).expanduser()
-        if not p.is_file():
-            raise ValueError(f"DeepSpeed config file not found: {p}")
-        try:
-            obj = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{p} is not valid JSON: {err}") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{p} must hold a JSON object, got {type(obj).__name__}")
-        return str(p)
+    def _expand_user(cls, v: str | None) -> str | None:
+        # The file itself is read and checked once, on the driver (train.build_deepspeed_config): validation
+        # here reads nothing, so a worker that receives this config never looks for the file on its node.
+        return None if v is None else str(Path(v).expanduser())
 
 
 class EvaluationConfig(_Section):
@@ -330,6 +312,17 @@ class JobConfig(_Section):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
+    @model_validator(mode="after")
+    def _clusters_for_every_rank(self) -> "JobConfig":
+        k, w = self.clustering.k, self.train.num_workers
+        if (self.allocation.strategy == "cluster" and isinstance(k, int) and k < w
+                and not self.allocation.allow_shared_clusters):
+            raise ValueError(
+                f"clustering.k={k} is below train.num_workers={w}: with allocation.strategy 'cluster' every step "
+                f"would train one cluster on several ranks; raise clustering.k to at least {w}, or set "
+                f"allocation.allow_shared_clusters: true to run anyway")
+        return self
+
 
 def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     """The field names valid at ``loc`` (the location of an unknown key) in the config tree."""
@@ -361,7 +354,8 @@ def _format_errors(err: ValidationError) -> str:
             lines.append(f"unknown key '{key}'{hint} (valid here: {', '.join(valid)})")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{key}: {msg} (got {_REPR.repr(e.get('input'))})")
+            # A check across sections names its keys itself; the input would be the whole config.
+            lines.append(msg if not loc else f"{key}: {msg} (got {_REPR.repr(e.get('input'))})")
     return "invalid job config:\n  " + "\n  ".join(lines)
 
 

@@ -15,6 +15,8 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
+from .config import ConfigError, JobConfig
+
 __all__ = [
     "DEMO_MODEL",
     "cache_dir",
@@ -26,6 +28,7 @@ __all__ = [
     "load_tokenizer",
     "load_model",
     "make_tiny_model",
+    "check_module_patterns",
 ]
 
 DEMO_MODEL = "demo"
@@ -271,3 +274,36 @@ def make_tiny_model(dest: str | Path, hidden_size: int = 32, num_layers: int = 2
     LlamaForCausalLM(config).save_pretrained(dest)
     tok.save_pretrained(dest)
     return dest
+
+
+def check_module_patterns(cfg: JobConfig, model_path: str, need_sketch: bool) -> None:
+    """Every LoRA target and sketched module pattern must name an ``nn.Linear`` of its model, and a separate
+    ``sketch.model`` must hold readable weights: either mistake would otherwise fail inside the Ray workers
+    (retried ``max_failures`` times), and a pattern typo could silently sketch fewer modules.
+
+    Raises:
+        ConfigError: naming the patterns that match nothing and the valid suffixes.
+        FileNotFoundError: ``sketch.model`` cannot be resolved or has no readable weights (named as such).
+    """
+    checks = []
+    if cfg.train.lora.enabled:
+        checks.append(("train.lora.target_modules", cfg.train.lora.target_modules, model_path))
+    sketch_model = model_path
+    if need_sketch and cfg.sketch.model:
+        sketch_model = resolve_model_path(cfg.sketch.model, "sketch.model")
+        check_model_files(sketch_model, "sketch.model")
+    if need_sketch and cfg.sketch.method == "gradient":
+        checks.append(("sketch.modules", cfg.sketch.modules, sketch_model))
+    names_of: dict[str, list[str]] = {}
+    for key, patterns, path in checks:
+        if path not in names_of:
+            try:
+                names_of[path] = linear_module_names(path, cfg.model.trust_remote_code)
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"cannot read the model config of {path!r} to check {key}: {err}") from None
+        names = names_of[path]
+        missing = [p for p in patterns if not any(n == p or n.endswith("." + p) for n in names)]
+        if missing:
+            suffixes = sorted({n.rsplit(".", 1)[-1] for n in names})
+            raise ConfigError(f"{key}: {', '.join(map(repr, missing))} match no nn.Linear of {path} (module name "
+                              f"suffixes there: {', '.join(suffixes)})")

@@ -8,7 +8,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-__all__ = ["write_report"]
+__all__ = ["FIGURES", "write_report"]
+
+FIGURES = ("clusters.png", "load.png", "allocation.png", "loss.png")
+"""The PNG files :func:`write_report` may write beside ``report.md``."""
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -40,10 +43,10 @@ def _step_figures(plan: pd.DataFrame) -> dict:
     micro-batches; the majority rule of :func:`ray_cluster_ft.allocate.plan_metrics`), and the scalars
     ``padding`` (pad / padded tokens) and ``critical_path`` (sum over steps of the slowest rank's padded tokens).
     """
-    from .allocate import _microbatch_table
+    from .allocate import microbatch_table
 
     w = int(plan["rank"].nunique())
-    mb = _microbatch_table(plan)
+    mb = microbatch_table(plan)
     load = mb.groupby(["step", "rank"], sort=True)["padded"].sum().groupby(level="step")
     step_max = load.max()
     imbalance = step_max / (load.sum() / w)
@@ -92,6 +95,7 @@ def _allocation_figure(path: Path, plan: pd.DataFrame, baseline_plan: pd.DataFra
     return figs
 
 
+# One section of report.md after another; each figure is its own helper above.
 def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.ndarray | None,
                  selected_idx: np.ndarray, baseline_plan: pd.DataFrame | None = None) -> Path:
     """Write ``report.md`` plus ``clusters.png``, ``load.png``, ``allocation.png`` and ``loss.png`` into ``run_dir``.

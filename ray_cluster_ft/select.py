@@ -1,4 +1,4 @@
-"""Per-cluster quotas and the within-cluster choice (DESIGN.md "Select").
+"""Per-cluster quotas and the within-cluster choice (docs/design.md, "Select").
 
 CluSTER (Kim et al., EMNLP 2026, arXiv 2609.12584; balanced sampling) gives every cluster the same share of
 the budget; clusters smaller than their share are taken whole and what they leave is shared out again among
@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 __all__ = [
+    "SelectionStage",
+    "run",
     "SelectionResult",
     "water_fill_quotas",
     "select_within",
@@ -429,3 +432,38 @@ def select(
     reasons_arr = np.asarray(why, dtype=str)
     srt = np.argsort(idx, kind="stable")
     return SelectionResult(idx[srt], reasons_arr[srt], quotas)
+
+
+@dataclass(frozen=True)
+class SelectionStage:
+    """The select stage's result: the budget asked for and the :class:`SelectionResult` (indices into the
+    candidates, reasons)."""
+
+    requested: int
+    result: SelectionResult
+
+
+def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, dist=None) -> SelectionStage:
+    """The select stage: ``selection.strategy`` at ``selection.budget`` over the candidates.
+
+    Writes nothing: which selected rows are trained is fixed by the plan (the budget is rounded down to whole
+    optimizer steps there), so ``selection.parquet`` is written by the allocation stage.
+
+    Args:
+        cfg: the job config (``selection`` section).
+        run_dir: the run directory (unused: no artifact of its own).
+        n_candidates: N.
+        sketches, labels, dist: the features ``(N, d)``, clusters ``(N,)`` and distances ``(N,)``; ``None``
+            when no clustering ran (``random`` and ``full`` need none).
+    """
+    from .config import budget_count
+
+    s = cfg.selection
+    if sketches is None:
+        sketches = np.zeros((n_candidates, 1), dtype=np.float32)
+        labels = np.zeros(n_candidates, dtype=np.int64)
+        dist = np.zeros(n_candidates, dtype=np.float32)
+    requested = n_candidates if s.strategy == "full" else budget_count(s.budget, n_candidates)
+    res = select(s.strategy, sketches, labels, dist, requested, within=s.within, dedup_threshold=s.dedup_threshold,
+                 seed=s.seed)
+    return SelectionStage(requested, res)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
 from pathlib import Path
 
 import pyarrow as pa
@@ -75,6 +76,14 @@ BAD_LINES = [
     ("no-user-turn", _chat(("system", "be brief"), ("assistant", "r")),
      "empty prompt: no user message before the response"),
     ("over-max-length-drop", {"prompt": "word " * 400, "response": "r"}, "over max length: "),
+    ("zero-width-space-response", {"prompt": "q6", "response": "\u200b \u200b"}, "empty response"),
+    ("bom-response", {"prompt": "q7", "response": "\ufeff"}, "empty response"),
+    ("bom-answer", {"question": "q8", "answer": "\ufeff\u2060\n"}, "empty answer"),
+    ("zero-width-prompt", {"prompt": "\u200d", "response": "r9"}, "empty prompt"),
+    ("end-of-turn-only-response", {"prompt": "q10", "response": "<|im_end|>"},
+     "empty response: only whitespace, format characters or special tokens"),
+    ("special-tokens-only-chat", _chat(("user", "p11"), ("assistant", "<|im_start|> <|endoftext|>\u200b")),
+     "empty response: only whitespace, format characters or special tokens"),
     ("duplicate", GOOD, "duplicate example: same content as "),
     ("reserved-domain", {"prompt": "q3", "response": "r3", "domain": "all"}, "reserved domain: 'all' names the"),
     ("spaced-reserved-domain", {"prompt": "q4", "response": "r4", "domain": " all "}, "reserved domain: "),
@@ -281,7 +290,7 @@ def test_mixed_file_counts_add_up_and_every_good_row_is_kept(tmp_path, demo_toke
 @pytest.mark.slow
 def test_mixed_file_run_manifest_accounts_for_every_row(tmp_path, tiny_model_dir):
     """The same file through a real run (up to the plan, random baselines so no sketching): the manifest adds up."""
-    from ray_cluster_ft.pipeline import run_pipeline
+    from ray_cluster_ft.recipe import run_pipeline
 
     f, lines, good, _ = _mixed_file(tmp_path)
     out = tmp_path / "run"
@@ -464,7 +473,7 @@ def test_cli_reports_config_errors_before_ray(tmp_path, capsys):
 
 
 def test_cli_ctrl_c_prints_one_line(tmp_path, capsys, monkeypatch):
-    from ray_cluster_ft import pipeline
+    from ray_cluster_ft import recipe as pipeline
     from ray_cluster_ft.cli import main
 
     def interrupted(*_, **__):
@@ -476,45 +485,24 @@ def test_cli_ctrl_c_prints_one_line(tmp_path, capsys, monkeypatch):
     spec = tmp_path / "job.yaml"
     spec.write_text(f"output:\n  dir: {tmp_path / 'run'}\n")
     assert main(["run", str(spec)]) == 130
-    assert capsys.readouterr().err == ("ray-cluster-ft: interrupted; a stopped run continues with "
-                                       "`ray-cluster-ft run --resume RUN_DIR`\n")
+    assert capsys.readouterr().err == ("ray-cluster-ft: interrupted (SIGINT); continue the run with "
+                                       f"`ray-cluster-ft run --resume {tmp_path / 'run'}`\n")
+
+    def terminated(*_, **__):
+        from ray_cluster_ft.cli import Interrupted
+
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(pipeline, "run_pipeline", terminated)
+    assert main(["run", str(spec)]) == 143
+    assert capsys.readouterr().err.startswith("ray-cluster-ft: interrupted (SIGTERM); continue the run with")
 
 
 # --------------------------------------------------------------------------- run directory and model modules
 
 
-def test_run_dir_guard_and_stale_artifacts(tmp_path):
-    from ray_cluster_ft.pipeline import RUN_MARKER, _prepare_run_dir
-
-    a_file = tmp_path / "out.txt"
-    a_file.write_text("mine")
-    with pytest.raises(ConfigError, match="output.dir .*out.txt is a file, not a directory"):
-        _prepare_run_dir(a_file, resume=False)
-    foreign = tmp_path / "project"  # e.g. `--output .` in a folder of the user's own files
-    foreign.mkdir()
-    (foreign / "config.yaml").write_text("# my spec\n")
-    with pytest.raises(ConfigError, match="already holds files that no ray-cluster-ft run wrote .*'config.yaml'"):
-        _prepare_run_dir(foreign, resume=False)
-    assert (foreign / "config.yaml").read_text() == "# my spec\n"
-    run = tmp_path / "runs" / "x"
-    _prepare_run_dir(run, resume=False)  # created, marked
-    assert (run / RUN_MARKER).exists()
-    for d in ("final_model", "trained", "ray_train", "sketches"):
-        (run / d).mkdir()
-    for f in ("trained.parquet", "train_log.jsonl", "eval_before.json", "loss.png", "plan.parquet"):
-        (run / f).write_text("old")
-    _prepare_run_dir(run, resume=True)  # a resume keeps what it continues from
-    assert (run / "final_model").exists() and (run / "train_log.jsonl").exists()
-    (run / "notes.txt").write_text("the user's")
-    _prepare_run_dir(run, resume=False)  # a fresh run (plan-only too) drops the old run's artifacts
-    left = sorted(p.name for p in run.iterdir())
-    assert left == sorted([RUN_MARKER, "sketches", "notes.txt"])  # sketch shards are reused by key
-    with pytest.raises(ConfigError, match="output.dir .*out.txt/sub cannot be created: Not a directory"):
-        _prepare_run_dir(a_file / "sub", resume=False)
-
-
 def test_module_patterns_are_checked_before_ray(tiny_model_dir):
-    from ray_cluster_ft.pipeline import _check_module_patterns
+    from ray_cluster_ft.model import check_module_patterns as _check_module_patterns
 
     ok = parse_config({"model": {"path": str(tiny_model_dir)}, "train": {"lora": {"enabled": True}}})
     _check_module_patterns(ok, str(tiny_model_dir), need_sketch=True)
@@ -534,7 +522,8 @@ def test_model_folders_without_usable_weights_or_tokenizer_are_refused(tmp_path,
     import shutil
 
     from ray_cluster_ft.model import check_model_files
-    from ray_cluster_ft.pipeline import _check_module_patterns, run_pipeline
+    from ray_cluster_ft.model import check_module_patterns as _check_module_patterns
+    from ray_cluster_ft.recipe import run_pipeline
 
     check_model_files(str(tiny_model_dir))
     check_model_files("HuggingFaceTB/SmolLM2-135M")  # a hub id: checked when loaded
@@ -571,7 +560,7 @@ def test_model_folders_without_usable_weights_or_tokenizer_are_refused(tmp_path,
 
 
 def test_clustering_warning_when_fewer_clusters_than_ranks():
-    from ray_cluster_ft.pipeline import _clustering_warning
+    from ray_cluster_ft.clustering import clustering_warning as _clustering_warning
 
     assert _clustering_warning(4, 0, 4, 2) is None
     msg = _clustering_warning(1, 35, 2, 2)
@@ -598,18 +587,18 @@ def test_reason_categories_fold_values_and_indices():
 
 
 def test_deepspeed_values_are_checked_with_deepspeeds_own_model(tmp_path):
-    from ray_cluster_ft.pipeline import _check_deepspeed_values
+    from ray_cluster_ft.train import build_deepspeed_config
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}}))
     for train in ({"zero_stage": 3, "offload": "params"}, {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 0}):
-        _check_deepspeed_values(parse_config({"train": {"deepspeed_config": str(ds), **train}}))
+        build_deepspeed_config(parse_config({"train": {"deepspeed_config": str(ds), **train}}).train)
     ds.write_text(json.dumps({"zero_optimization": {"stage": "three"}}))
     with pytest.raises(ConfigError, match="ds.json: zero_optimization is not valid for DeepSpeed: stage Input should"):
-        _check_deepspeed_values(parse_config({"train": {"deepspeed_config": str(ds)}}))
+        build_deepspeed_config(parse_config({"train": {"deepspeed_config": str(ds)}}).train)
     ds.write_text(json.dumps({"zero_optimization": {"offload_optimizer": "cpu"}}))
     with pytest.raises(ConfigError, match="offload_optimizer Input should be a valid dictionary"):
-        _check_deepspeed_values(parse_config({"train": {"deepspeed_config": str(ds)}}))
+        build_deepspeed_config(parse_config({"train": {"deepspeed_config": str(ds)}}).train)
 
 
 def test_report_says_why_there_is_no_evaluation_after_training(tmp_path):

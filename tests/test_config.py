@@ -123,23 +123,41 @@ def test_duplicate_yaml_keys_are_refused(tmp_path):
     assert (cfg.train.seed, cfg.selection.seed, cfg.allocation.seed, cfg.allocation.strategy) == (1, 1, 1, "length")
 
 
-def test_deepspeed_batch_keys_are_checked_with_the_config(tmp_path):
+def test_deepspeed_batch_keys_are_checked_on_the_driver(tmp_path):
     import json
+
+    from ray_cluster_ft.train import build_deepspeed_config
+
+    def build(**train):
+        return build_deepspeed_config(parse_config({"train": {"deepspeed_config": str(ds), **train}}).train)
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3}}))
     with pytest.raises(ConfigError, match="sets train_micro_batch_size_per_gpu=8 but the plan needs 4"):
-        parse_config({"train": {"deepspeed_config": str(ds)}})
-    assert parse_config({"train": {"deepspeed_config": str(ds), "micro_batch_size": 8}}).train.micro_batch_size == 8
+        build()
+    assert build(micro_batch_size=8)["train_micro_batch_size_per_gpu"] == 8
     ds.write_text(json.dumps({"train_batch_size": 16}))
     with pytest.raises(ConfigError, match="train_batch_size=16 but the plan needs 8"):
-        parse_config({"train": {"deepspeed_config": str(ds)}})
-    assert parse_config({"train": {"deepspeed_config": str(ds), "num_workers": 4}}).train.num_workers == 4
+        build()
+    assert build(num_workers=4)["train_batch_size"] == 16
     ds.write_text(json.dumps({"optimizer": 5}))  # DeepSpeed would fail in every worker
     with pytest.raises(ConfigError, match="sets optimizer=5, but DeepSpeed expects a mapping"):
-        parse_config({"train": {"deepspeed_config": str(ds)}})
+        build()
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
     assert parse_config({"train": {"deepspeed_config": str(ds)}}).train.deepspeed_config == str(ds)
+    assert build()["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+
+
+def test_config_validation_reads_no_file(tmp_path):
+    """The schema is pure: a DeepSpeed path is checked where the driver reads it, not when a config (or a
+    worker's copy of it) is validated."""
+    from ray_cluster_ft.train import build_deepspeed_config
+
+    missing = tmp_path / "missing.json"
+    cfg = parse_config({"train": {"deepspeed_config": str(missing)}})
+    assert cfg.train.deepspeed_config == str(missing)
+    with pytest.raises(ConfigError, match="DeepSpeed config file not found"):
+        build_deepspeed_config(cfg.train)
 
 
 def test_clustering_k_only_checked_where_clustering_runs():
@@ -148,3 +166,15 @@ def test_clustering_k_only_checked_where_clustering_runs():
     check_against_data(cfg, 50)  # no clustering runs: k is unused
     with pytest.raises(ConfigError, match="clustering.k=100 is above the 50"):
         check_against_data(parse_config({"clustering": {"k": 100}}), 50)
+
+
+def test_fewer_clusters_than_ranks_is_refused_for_the_cluster_allocation():
+    with pytest.raises(ConfigError, match=r"clustering.k=1 is below train.num_workers=2: .* set "
+                                          r"allocation.allow_shared_clusters: true"):
+        parse_config({"clustering": {"k": 1}})
+    with pytest.raises(ConfigError, match="clustering.k=3 is below train.num_workers=4"):
+        parse_config({"clustering": {"k": 3}, "train": {"num_workers": 4}})
+    assert parse_config({"clustering": {"k": 1}, "allocation": {"allow_shared_clusters": True}}).clustering.k == 1
+    assert parse_config({"clustering": {"k": 1}, "allocation": {"strategy": "random"}}).clustering.k == 1
+    assert parse_config({"clustering": {"k": 2}}).clustering.k == 2
+    assert parse_config({"clustering": {"k": "auto"}, "train": {"num_workers": 8}}).clustering.k == "auto"

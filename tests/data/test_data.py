@@ -8,7 +8,7 @@ import pytest
 from ray_cluster_ft.config import DataConfig
 from ray_cluster_ft.data import canonicalize, example_id, iter_demo_rows, load_examples, tokenize_rows
 
-from .conftest import shared_data_dir
+from ..conftest import shared_data_dir
 
 
 def test_canonicalize_formats():

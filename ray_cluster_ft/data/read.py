@@ -1,15 +1,12 @@
-"""Sources -> canonical rows -> tokenized rows, plus rejected rows with reasons.
-
-Every input row ends in exactly one of two places: an accepted example (``examples.parquet`` or the held-out
-``eval_examples.parquet``) or ``rejected.jsonl`` with its source, position and reason. Blank lines of a JSONL
-file are not rows and are not counted.
+"""Sources -> canonical rows: the readers of JSONL / Parquet / JSON-array files and of the built-in demo data,
+and the one canonical form every row is turned into (a list of chat messages).
 
 Accepted row formats (one per row, checked in this order):
   * chat ``messages``: a list of ``{"role", "content"}``; the last message must be the assistant's;
   * ``prompt`` + ``response``;
   * ``question`` + ``answer`` (the shared coding and medical sets).
 
-The loss is taken on response tokens only: ``labels`` is -100 on every prompt (and template) token.
+A row that cannot be read or canonicalised becomes a :class:`Rejection` with its source, position and reason.
 """
 
 from __future__ import annotations
@@ -19,40 +16,30 @@ import hashlib
 import json
 import re
 import reprlib
-from dataclasses import dataclass, field
+import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .config import ConfigError, DataConfig
-from .model import package_dir
+from ..config import ConfigError, DataConfig
+from ..model import package_dir
 
 __all__ = [
-    "EXAMPLE_SCHEMA",
-    "DataResult",
+    "MEDICAL_SUBJECTS",
     "Rejection",
-    "canonicalize",
-    "example_id",
     "iter_demo_rows",
     "iter_file_rows",
-    "tokenize_rows",
-    "load_examples",
+    "iter_rows",
+    "canonicalize",
+    "is_blank",
     "reason_category",
+    "example_id",
+    "load_messages",
 ]
 
-EXAMPLE_SCHEMA = pa.schema(
-    [
-        ("example_id", pa.string()),
-        ("source", pa.string()),
-        ("domain", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("labels", pa.list_(pa.int32())),
-        ("n_tokens", pa.int32()),
-    ]
-)
 
 MEDICAL_SUBJECTS = (
     "anatomy",
@@ -91,29 +78,6 @@ class Rejection:
             except (ValueError, RecursionError):
                 rec["row"] = reprlib.repr(row)
                 return json.dumps(rec, ensure_ascii=True)
-
-
-@dataclass
-class DataResult:
-    """Output of :func:`load_examples`.
-
-    Attributes:
-        train: accepted rows for selection, :data:`EXAMPLE_SCHEMA`.
-        eval: accepted rows held out for evaluation, same schema.
-        rejected: one :class:`Rejection` per rejected row.
-        n_read: rows read (= len(train) + len(eval) + len(rejected)).
-        truncated: accepted rows that were cut to ``max_seq_len`` (policy ``truncate``).
-    """
-
-    train: pa.Table
-    eval: pa.Table
-    rejected: list[Rejection]
-    n_read: int
-    truncated: int = 0
-    sources: dict[str, int] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------- sources
 
 
 def _humaneval_row(r: dict) -> dict:
@@ -315,9 +279,6 @@ def _iter_parquet_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, A
             pos += 1
 
 
-# --------------------------------------------------------------------------- canonical rows
-
-
 def _check_text(v: str, what: str) -> None:
     """Reject text the tokenizer cannot encode: a lone UTF-16 surrogate (``"\\ud800"`` in JSON) is legal JSON
     but not a Unicode scalar, and would crash the tokenizer and the content hash."""
@@ -328,6 +289,13 @@ def _check_text(v: str, what: str) -> None:
         raise ValueError(f"invalid Unicode in {what}: lone surrogate {bad!r} at character {err.start}") from None
 
 
+def is_blank(text: str) -> bool:
+    """True when nothing is left of ``text`` after removing whitespace and Unicode format characters (category
+    Cf: zero-width space U+200B, byte-order mark U+FEFF, joiners, ...): such text looks empty to a reader and
+    gives the model nothing to learn."""
+    return not any(not ch.isspace() and unicodedata.category(ch) != "Cf" for ch in text)
+
+
 def _nonempty_str(row: dict, key: str) -> str:
     if key not in row:
         raise ValueError(f"missing field '{key}'")
@@ -336,7 +304,7 @@ def _nonempty_str(row: dict, key: str) -> str:
         raise ValueError(f"field '{key}' is null")
     if not isinstance(v, str):
         raise ValueError(f"field '{key}' is {type(v).__name__}, expected a string")
-    if not v.strip():
+    if is_blank(v):
         raise ValueError(f"empty {key}")
     _check_text(v, f"'{key}'")
     return v
@@ -384,9 +352,9 @@ def canonicalize(row: Any) -> list[dict[str, str]]:
             out.append({"role": role, "content": content})
         if out[-1]["role"] != "assistant":
             raise ValueError("the last message is not the assistant's response")
-        if not out[-1]["content"].strip():
+        if is_blank(out[-1]["content"]):
             raise ValueError("empty response")
-        if not any(m["role"] == "user" and m["content"].strip() for m in out[:-1]):
+        if not any(m["role"] == "user" and not is_blank(m["content"]) for m in out[:-1]):
             raise ValueError("empty prompt: no user message before the response")
         return out
     if _present(row, "prompt", "response") or not _present(row, "question", "answer") and (
@@ -430,181 +398,44 @@ def example_id(messages: list[dict[str, str]]) -> str:
     return hashlib.sha1(blob.encode("utf-8")).hexdigest()[:16]
 
 
-# --------------------------------------------------------------------------- tokenization
-
-
-def tokenize_rows(
-    messages: list[list[dict[str, str]]], tokenizer, max_seq_len: int, overlong: str = "drop"
-) -> list[tuple[list[int], list[int], bool] | str]:
-    """Tokenize chat examples with the model's chat template; loss only on the response.
-
-    Args:
-        messages: per example, the chat messages (last = assistant).
-        tokenizer: a Hugging Face tokenizer with a chat template.
-        max_seq_len: maximum tokens per example (prompt + response).
-        overlong: ``drop`` rejects longer examples; ``truncate`` cuts them (rejected only when no response
-            token is left).
-
-    Returns:
-        Per example, ``(input_ids, labels, truncated)`` with labels -100 on prompt tokens, or a rejection
-        reason (str).
-    """
-    prompts = [tokenizer.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True) for m in messages]
-    fulls = [tokenizer.apply_chat_template(m, tokenize=False) for m in messages]
-    enc_p = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    enc_f = tokenizer(fulls, add_special_tokens=False)["input_ids"]
-    out: list[tuple[list[int], list[int], bool] | str] = []
-    for p_ids, f_ids in zip(enc_p, enc_f):
-        n_p = len(p_ids)
-        if f_ids[:n_p] != p_ids:
-            # Templates that rewrite earlier turns: fall back to the longest common prefix.
-            n_p = next((i for i, (a, b) in enumerate(zip(p_ids, f_ids)) if a != b), min(len(p_ids), len(f_ids)))
-        if len(f_ids) <= n_p:
-            out.append("empty response after tokenization")
-            continue
-        if len(f_ids) > max_seq_len:
-            if overlong == "drop":
-                out.append(f"over max length: {len(f_ids)} tokens > data.max_seq_len={max_seq_len}")
-                continue
-            if n_p >= max_seq_len:
-                out.append(f"over max length: the prompt alone is {n_p} tokens >= data.max_seq_len={max_seq_len}")
-                continue
-        cut = len(f_ids) > max_seq_len
-        f_ids = f_ids[:max_seq_len]
-        out.append((list(f_ids), [-100] * n_p + list(f_ids[n_p:]), cut))
-    return out
-
-
-def _tokenize_guarded(messages, tokenizer, max_seq_len: int, overlong: str) -> list:
-    """:func:`tokenize_rows` on a chunk; if the tokenizer fails on the chunk, retry row by row so only the
-    offending rows are rejected (with the tokenizer's message) and the rest of the chunk is kept."""
-    try:
-        return tokenize_rows(messages, tokenizer, max_seq_len, overlong)
-    except Exception:  # noqa: BLE001 - third-party tokenizers raise arbitrary types on hostile text
-        out = []
-        for m in messages:
-            try:
-                out.extend(tokenize_rows([m], tokenizer, max_seq_len, overlong))
-            except Exception as err:  # noqa: BLE001
-                out.append(f"tokenizer error: {type(err).__name__}: {str(err)[:200]}")
-        return out
-
-
-def _held_out(ids: list[str], domains: list[str], fraction: float, cap: int, seed: int) -> np.ndarray:
-    """Boolean mask of held-out rows: per domain a seeded share ``fraction``, at most ``cap`` in all."""
-    mask = np.zeros(len(ids), dtype=bool)
-    if fraction <= 0 or cap <= 0 or not ids:
-        return mask
-    dom = np.asarray(domains)
-    uniq = sorted(set(domains))
-    total = min(cap, int(round(fraction * len(ids))))
-    for d in uniq:
-        idx = np.flatnonzero(dom == d)
-        n = min(len(idx) - 1, int(round(total * len(idx) / len(ids))))
-        if n <= 0:
-            continue
-        order = _hash_order([ids[i] for i in idx], seed)
-        mask[idx[order[:n]]] = True
-    return mask
-
-
-def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> DataResult:
-    """Read every source of ``cfg``, canonicalise, tokenize, de-duplicate and split off the held-out rows.
-
-    Args:
-        cfg: the data section of the job config.
-        tokenizer: the model's tokenizer (chat template applied).
-        tokenize_chunk: rows tokenized per call (memory bound).
-
-    Returns:
-        A :class:`DataResult`; ``n_read == len(train) + len(eval) + len(rejected)`` always holds.
+def iter_rows(cfg: DataConfig) -> Iterator[tuple[str, int, Any]]:
+    """Every row of the sources of ``cfg``, as ``(source, position, row or Rejection)``.
 
     Raises:
-        FileNotFoundError: a data file is missing (checked before any row is read).
-        ConfigError: a data file has an unsupported type or is not readable as a whole (see
-            :func:`iter_file_rows`). Bad rows never raise: they are rejected.
+        FileNotFoundError: a data file is missing (every file is checked before any row is read).
     """
     if cfg.source == "demo":
-        rows: Iterable = iter_demo_rows(cfg.limit, cfg.seed)
-    else:
-        for p in cfg.paths:  # fail on a missing file before reading anything
-            _require_file(Path(p))
+        return iter_demo_rows(cfg.limit, cfg.seed)
+    for p in cfg.paths:
+        _require_file(Path(p))
+    return (r for p in cfg.paths for r in iter_file_rows(p, cfg.limit))
 
-        def _chain():
-            for p in cfg.paths:
-                yield from iter_file_rows(p, cfg.limit)
 
-        rows = _chain()
+def load_messages(data_cfg, wanted: Sequence[str]) -> dict[str, list[dict[str, str]]]:
+    """The chat messages of the examples ``wanted``, read again from the data sources of ``data_cfg``.
 
-    rejected: list[Rejection] = []
-    seen: dict[str, tuple[str, int]] = {}
-    cols: dict[str, list] = {k: [] for k in EXAMPLE_SCHEMA.names}
-    n_read = 0
-    truncated = 0
-    sources: dict[str, int] = {}
-    pending: list[tuple[str, int, Any, list, str, str]] = []
+    The examples table keeps token ids only; a proxy model with another tokenizer and the embedding baseline
+    need the text. Rows are read and canonicalised exactly as :func:`ray_cluster_ft.data.load_examples` does
+    and matched by :func:`ray_cluster_ft.data.example_id` (a hash of the messages).
 
-    def flush():
-        nonlocal truncated
-        if not pending:
-            return
-        toks = _tokenize_guarded([p[3] for p in pending], tokenizer, cfg.max_seq_len, cfg.overlong)
-        for (src, pos, row, _msgs, source, domain), tok in zip(pending, toks):
-            if isinstance(tok, str):
-                rejected.append(Rejection(src, pos, tok, row))
-                continue
-            ids, labels, cut = tok
-            eid = example_id(_msgs)
-            if eid in seen:
-                first = seen[eid]
-                rejected.append(Rejection(src, pos, f"duplicate example: same content as {first[0]}:{first[1]}", row))
-                continue
-            seen[eid] = (src, pos)
-            truncated += int(cut)
-            cols["example_id"].append(eid)
-            cols["source"].append(source)
-            cols["domain"].append(domain)
-            cols["input_ids"].append(ids)
-            cols["labels"].append(labels)
-            cols["n_tokens"].append(len(ids))
-        pending.clear()
-
-    for src, pos, row in rows:
-        n_read += 1
-        sources[src] = sources.get(src, 0) + 1
+    Raises:
+        RuntimeError: some ids are not found (the data files changed since the data stage).
+    """
+    want = set(wanted)
+    rows = iter_rows(data_cfg)
+    found: dict[str, list[dict[str, str]]] = {}
+    for _src, _pos, row in rows:
         if isinstance(row, Rejection):
-            rejected.append(row)
             continue
         try:
             msgs = canonicalize(row)
-        except ValueError as err:
-            rejected.append(Rejection(src, pos, str(err), row))
+        except ValueError:
             continue
-        source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
-        domain = row.get("domain")
-        if domain is not None and not isinstance(domain, str):
-            rejected.append(Rejection(src, pos, f"field 'domain' is {type(domain).__name__}, expected a string", row))
-            continue
-        domain = " ".join((domain or "").split()) or "default"  # " all " and "all" are one name in the report
-        if domain == "all":  # the name of the every-domain aggregate in the evaluation
-            rejected.append(Rejection(src, pos, "reserved domain: 'all' names the aggregate over every domain in "
-                                                "the evaluation; rename the row's domain", row))
-            continue
-        pending.append((src, pos, row, msgs, source, domain))
-        if len(pending) >= tokenize_chunk:
-            flush()
-    flush()
-    # Duplicates are found when their tokenizer chunk finishes: put every rejection back in input order.
-    order = {src: i for i, src in enumerate(sources)}
-    rejected.sort(key=lambda r: (order.get(r.source, len(order)), r.position))
-
-    table = pa.table(cols, schema=EXAMPLE_SCHEMA)
-    held = _held_out(cols["example_id"], cols["domain"], cfg.eval_fraction, cfg.max_eval, cfg.seed)
-    return DataResult(
-        train=table.filter(pa.array(~held)),
-        eval=table.filter(pa.array(held)),
-        rejected=rejected,
-        n_read=n_read,
-        truncated=truncated,
-        sources=sources,
-    )
+        eid = example_id(msgs)
+        if eid in want:
+            found[eid] = msgs
+    if len(found) != len(want):
+        miss = sorted(want - set(found))
+        raise RuntimeError(f"load_messages: {len(miss)} examples not found in the data sources (changed since the "
+                           f"data stage?), e.g. {miss[:3]}")
+    return found

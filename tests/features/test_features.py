@@ -11,8 +11,8 @@ import torch
 
 from ray_cluster_ft.config import SketchConfig
 from ray_cluster_ft.model import load_model, make_tiny_model
-from ray_cluster_ft.sketch import (
-    IGNORE_INDEX,
+from ray_cluster_ft.data import IGNORE_INDEX
+from ray_cluster_ft.features import (
     GradientSketcher,
     compute_sketches,
     exact_sketch,
@@ -255,7 +255,7 @@ def _examples_table(rows, labels, ids):
 def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
-    import ray_cluster_ft.sketch as sketch_mod
+    import ray_cluster_ft.features.stage as sketch_mod
 
     # 12 examples in 3 shards of 4; one actor, so shards run in order and the failure on shard 2 comes after
     # shards 0 and 1 are written. The actor runs in another process than the direct computation below, so
@@ -312,7 +312,7 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
     np.testing.assert_allclose(got["sketch"], direct["sketch"][order], atol=1e-5)
     np.testing.assert_allclose(got["loss"], direct["loss"][order], rtol=1e-5)
     assert got["n_tokens"].dtype == np.int32 and list(got["n_tokens"]) == list(np.asarray(lengths)[order])
-    from ray_cluster_ft.sketch import EmbeddingSketcher
+    from ray_cluster_ft.features import EmbeddingSketcher
 
     assert list(emb["example_id"]) == ["t0", "t1", "t2"] and emb["sketch"].shape == (3, 384)
     assert np.isnan(emb["loss"]).all() and list(emb["n_tokens"]) == [3, 4, 1]
@@ -321,7 +321,8 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
 
 
 def test_shards_are_keyed_by_inputs_and_settings(tiny_dir, tmp_path):
-    from ray_cluster_ft.sketch import _finished_shards, plan_shards, sketch_fingerprint
+    from ray_cluster_ft.features import plan_shards, sketch_fingerprint
+    from ray_cluster_ft.features.store import _finished_shards
 
     rows, labels = _examples([5, 6, 7, 8, 9], [1, 1, 1, 1, 1])
     t = _examples_table(rows, labels, list("abcde"))
@@ -354,7 +355,7 @@ def test_shards_are_keyed_by_inputs_and_settings(tiny_dir, tmp_path):
 
 
 def test_length_batches():
-    from ray_cluster_ft.sketch import length_batches
+    from ray_cluster_ft.features import length_batches
 
     lengths = [30, 5, 12, 5, 40, 7, 100]
     got = length_batches(lengths, 3)
@@ -451,7 +452,7 @@ def test_sketcher_dtype_and_token_cap(tiny_dir):
 
 
 def test_embedding_sketcher_minilm():
-    from ray_cluster_ft.sketch import EmbeddingSketcher, embedding_model_dir
+    from ray_cluster_ft.features import EmbeddingSketcher, embedding_model_dir
 
     try:
         embedding_model_dir()
@@ -495,7 +496,7 @@ def test_prepare_sketch_inputs_proxy_retokenises_and_embedding_text(tiny_dir, tm
     from ray_cluster_ft.config import parse_config
     from ray_cluster_ft.data import canonicalize, example_id, load_examples, tokenize_rows
     from ray_cluster_ft.model import load_tokenizer
-    from ray_cluster_ft.sketch import embedding_model_dir, prepare_sketch_inputs
+    from ray_cluster_ft.features import embedding_model_dir, prepare_sketch_inputs
 
     raw = _write_rows(tmp_path / "rows.jsonl", 6)
     base = {"data": {"source": "files", "paths": [str(tmp_path / "rows.jsonl")], "eval_fraction": 0.0,
@@ -540,7 +541,7 @@ def test_prepare_sketch_inputs_proxy_retokenises_and_embedding_text(tiny_dir, tm
 def test_warmup_sample_and_plan():
     from ray_cluster_ft.allocate import check_plan
     from ray_cluster_ft.config import TrainConfig
-    from ray_cluster_ft.sketch import warmup_plan, warmup_sample
+    from ray_cluster_ft.features import warmup_plan, warmup_sample
 
     assert warmup_sample(364, 8, 4, 0.05) == (16, 2)  # 18 rows -> 2 whole steps; 4 steps need 2 epochs
     assert warmup_sample(1000, 8, 3, 0.5) == (496, 1)
@@ -563,7 +564,7 @@ def test_warmup_sample_and_plan():
 @pytest.mark.slow
 def test_pipeline_rerun_in_the_same_run_dir_reuses_the_sketch_shards(tmp_path, tiny_model_dir):
     from ray_cluster_ft.config import parse_config
-    from ray_cluster_ft.pipeline import run_pipeline
+    from ray_cluster_ft.recipe import run_pipeline
 
     cfg = parse_config({
         "data": {"source": "demo", "limit": 24, "max_seq_len": 256, "eval_fraction": 0.15, "max_eval": 8},

@@ -206,7 +206,7 @@ def test_clusters_that_follow_length_stay_distinct():
     seed=st.integers(0, 2**16),
 )
 def test_repartition_gives_distinct_majorities(m, b, n_clusters, n_forbidden, seed):
-    from ray_cluster_ft.allocate import _majority, _repartition
+    from ray_cluster_ft.allocate._slots import _majority, _repartition
 
     rng = np.random.default_rng(seed)
     rows = rng.permutation(200)[: m * b]
@@ -229,7 +229,7 @@ def test_repartition_gives_distinct_majorities(m, b, n_clusters, n_forbidden, se
 
 
 def test_repartition_finds_a_cut_when_clusters_are_plenty():
-    from ray_cluster_ft.allocate import _repartition
+    from ray_cluster_ft.allocate._slots import _repartition
 
     # 4 micro-batches of 4 rows, 16 distinct clusters, one forbidden that heads no micro-batch of the
     # consecutive cut: the in-order cut keeps that cut (no padding beyond it).
@@ -354,7 +354,7 @@ def test_plan_metrics_known_answer():
 
 
 def test_majority_rule_matches_brute_force():
-    from ray_cluster_ft.allocate import _majority
+    from ray_cluster_ft.allocate._slots import _majority
 
     rng = np.random.default_rng(0)
     for b in (1, 2, 3, 4, 7):
@@ -418,7 +418,7 @@ def test_make_plan_errors(kwargs, match):
 
 
 def _shared_data() -> Path:
-    return Path(os.environ.get("RAY_CLUSTER_FT_SHARED_DATA", Path(__file__).parents[2] / "shared" / "data"))
+    return Path(os.environ.get("RAY_CLUSTER_FT_SHARED_DATA", Path(__file__).parents[3] / "shared" / "data"))
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,14 @@ import pytest
 
 from ray_cluster_ft.config import TrainConfig
 from ray_cluster_ft.allocate import check_plan
+from ray_cluster_ft.train.deepspeed import _disable_shm_comm
 from ray_cluster_ft.train import (
-    _disable_shm_comm,
+    build_deepspeed_config,
+
     build_rank_tables,
     deepspeed_config,
     lr_multiplier,
     merge_deepspeed_config,
-    pad_micro_batch,
     train,
 )
 
@@ -99,19 +100,19 @@ def test_deepspeed_config_offload_and_user_json(tmp_path):
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"overlap_comm": True, "stage": 2},
                                 "optimizer": {"params": {"eps": 1e-6}}, "gradient_clipping": 0.3}))
-    ds = deepspeed_config(TrainConfig(zero_stage=3, deepspeed_config=str(user)), total_steps=10)
+    ds = build_deepspeed_config(TrainConfig(zero_stage=3, deepspeed_config=str(user)), total_steps=10)
     # nested keys merge; the user's values win; untouched keys stay
     assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
     assert ds["optimizer"]["params"]["eps"] == 1e-6 and ds["optimizer"]["params"]["torch_adam"] is True
     assert ds["gradient_clipping"] == 0.3 and ds["train_micro_batch_size_per_gpu"] == 4
 
     user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 16}))
-    # refused when the config is read, before any stage runs ...
+    # refused on the driver, before any stage runs ...
     with pytest.raises(ValueError, match="sets train_micro_batch_size_per_gpu=16 but the plan needs 4"):
-        TrainConfig(deepspeed_config=str(user))
-    # ... and again at merge time, in case the file changed after the config was parsed
+        build_deepspeed_config(TrainConfig(deepspeed_config=str(user)))
+    # ... by the merge itself
     base = deepspeed_config(TrainConfig(), total_steps=10)
-    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=16 but the plan was built for 4"):
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=16 but the plan needs 4"):
         merge_deepspeed_config(base, {"train_micro_batch_size_per_gpu": 16})
 
 
@@ -123,11 +124,11 @@ def test_train_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="offload='optimizer' needs train.zero_stage >= 1"):
         parse_config({"train": {"zero_stage": 0, "offload": "optimizer"}})
     with pytest.raises(ConfigError, match="DeepSpeed config file not found"):
-        parse_config({"train": {"deepspeed_config": str(tmp_path / "missing.json")}})
+        build_deepspeed_config(parse_config({"train": {"deepspeed_config": str(tmp_path / "missing.json")}}).train)
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="must hold a JSON object"):
-        parse_config({"train": {"deepspeed_config": str(bad)}})
+        build_deepspeed_config(parse_config({"train": {"deepspeed_config": str(bad)}}).train)
     with pytest.raises(ConfigError, match="unknown key 'train.lora.dropuot'; did you mean 'train.lora.dropout'"):
         parse_config({"train": {"lora": {"dropuot": 0.1}}})
 
@@ -223,16 +224,6 @@ def test_build_rank_tables_joins_in_plan_order():
                                                     pa.list_(pa.int32())))
     with pytest.raises(ValueError, match="no label token"):
         build_rank_tables(plan, no_labels, 2)
-
-
-def test_pad_micro_batch():
-    out = pad_micro_batch([np.array([5, 6, 7]), np.array([8])], [np.array([-100, 6, 7]), np.array([8])], pad_token_id=2)
-    np.testing.assert_array_equal(out["input_ids"], [[5, 6, 7], [8, 2, 2]])
-    np.testing.assert_array_equal(out["labels"], [[-100, 6, 7], [8, -100, -100]])
-    np.testing.assert_array_equal(out["attention_mask"], [[1, 1, 1], [1, 0, 0]])
-    assert all(v.dtype == np.int64 for v in out.values())
-    with pytest.raises(ValueError, match="lengths differ"):
-        pad_micro_batch([np.array([1, 2])], [np.array([1])], 0)
 
 
 # ---------------------------------------------------------------------------------------------- Ray + DeepSpeed

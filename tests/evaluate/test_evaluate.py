@@ -9,7 +9,7 @@ import torch
 
 from ray_cluster_ft.evaluate import heldout_loss
 
-from .conftest import shared_data_dir
+from ..conftest import shared_data_dir
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_mc_bad_items(tiny, demo_tokenizer):
 
 
 def test_code_known_outcomes():
-    from ray_cluster_ft.codeexec import check_completions
+    from ray_cluster_ft.evaluate.codeexec import check_completions
 
     tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
     comps = [
@@ -190,7 +190,7 @@ def test_code_known_outcomes():
 
 
 def test_code_limits_and_isolation(tmp_path):
-    from ray_cluster_ft.codeexec import run_program
+    from ray_cluster_ft.evaluate.codeexec import run_program
 
     # Address-space cap: a 2 GiB allocation fails inside the child, the parent is untouched.
     r = run_program("x = bytearray(2 << 30)\n", time_limit_s=5.0, memory_mb=256)
@@ -225,7 +225,7 @@ def _alive(pid: int) -> bool:
 
 def test_demo_and_mbpp_reference_solutions_pass_their_tests(demo_tokenizer):
     """The task fields found for real held-out rows are right: each row's own reference answer passes."""
-    from ray_cluster_ft.codeexec import check_completions
+    from ray_cluster_ft.evaluate.codeexec import check_completions
     from ray_cluster_ft.config import DataConfig
     from ray_cluster_ft.data import load_examples
     from ray_cluster_ft.evaluate import eval_tasks

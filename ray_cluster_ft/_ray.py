@@ -1,0 +1,73 @@
+"""Starting or joining Ray for a run, and the checks that make a bad address or an impossible world size fail
+fast instead of waiting for minutes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from .config import ConfigError, JobConfig
+
+__all__ = ["check_local_resources", "check_reachable", "init_ray"]
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a ``host:port`` (or ``ray://host:port``) nobody listens on: ``ray.init`` retries for minutes."""
+    import socket
+
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", "local" and the like: Ray resolves them itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(f"cannot reach a Ray cluster at {address!r}: {err}") from None
+
+
+def init_ray(address: str | None, use_gpu: bool) -> bool:
+    """Start or join Ray; returns True when this call started it (so the pipeline shuts it down).
+
+    Raises:
+        ConfigError: the address is unreachable, or Ray could not start or connect.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        check_reachable(address)
+    # ray.init replaces the process's SIGTERM handler (with one that exits without a word); the caller's
+    # handlers for SIGINT and SIGTERM (the CLI's: stop, say how to resume) are put back afterwards.
+    main = threading.current_thread() is threading.main_thread()
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+    except Exception as err:  # Ray raises a bare Exception when its node times out at start-up
+        raise ConfigError(f"could not {'join Ray at ' + repr(address) if address else 'start a local Ray'}: "
+                          f"{err}") from None
+    finally:
+        for sig, handler in before.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+    return True
+
+
+def check_local_resources(cfg: JobConfig) -> None:
+    """On a Ray this job started itself (no autoscaler), refuse a world size the machine cannot place:
+    Ray Train would otherwise wait for resources forever."""
+    import ray
+
+    res = ray.cluster_resources()
+    t = cfg.train
+    need_cpu = t.num_workers * t.cpus_per_worker
+    if need_cpu > res.get("CPU", 0):
+        raise ConfigError(f"train.num_workers={t.num_workers} x train.cpus_per_worker={t.cpus_per_worker} = "
+                          f"{need_cpu} CPUs, but the local Ray has {res.get('CPU', 0):g}; lower num_workers or "
+                          f"join a larger cluster with --address")
+    if t.use_gpu and t.num_workers > res.get("GPU", 0):
+        raise ConfigError(f"train.use_gpu with train.num_workers={t.num_workers}, but the local Ray has "
+                          f"{res.get('GPU', 0):g} GPUs")

@@ -1,0 +1,188 @@
+"""Balance, padding and collision figures of a plan, and the hard rules the trainer checks before it starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ._slots import _positive
+
+__all__ = [
+    "microbatch_table",
+    "plan_metrics",
+    "check_plan",
+    "plan_hash",
+]
+
+
+def microbatch_table(plan: pd.DataFrame) -> pd.DataFrame:
+    """One row per micro-batch: step, rank, micro_index, rows, longest, real tokens, distinct clusters,
+    majority cluster (ties: see :func:`_majority`)."""
+    key = ["step", "rank", "micro_index"]
+    mb = plan.groupby(key, sort=True).agg(
+        rows=("n_tokens", "size"),
+        longest=("n_tokens", "max"),
+        real=("n_tokens", "sum"),
+        n_clusters=("cluster", "nunique"),
+    )
+    # Same tie rule as the allocator: the tied cluster of the longest example, then the later position.
+    frame = plan[key + ["cluster", "n_tokens"]].copy()
+    frame["_last"] = frame["n_tokens"].to_numpy(np.int64) * (len(frame) + 1) + np.arange(len(frame))
+    cnt = frame.groupby(key + ["cluster"], sort=True).agg(c=("_last", "size"), last=("_last", "max")).reset_index()
+    cnt = cnt.sort_values(key + ["c", "last"], ascending=[True, True, True, False, False], kind="stable")
+    major = cnt.drop_duplicates(key).set_index(key)["cluster"]
+    mb["major"] = major
+    mb["padded"] = mb["rows"] * mb["longest"]
+    return mb.reset_index()
+
+
+def _critical_path_bound(n_tokens: np.ndarray, w: int, b: int, g: int) -> float:
+    """Lower bound on the critical path of one epoch of these examples (see :func:`plan_metrics`)."""
+    srt = np.sort(n_tokens)[::-1]
+    return float(max(srt.sum() / w, b * srt[:: w * b * g].sum()))
+
+
+def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
+    """Balance, padding and collision figures of a plan.
+
+    - ``token_imbalance_mean`` / ``_max``: per step, the max over ranks / the mean over the ``world_size``
+      ranks of the rank's padded tokens in that step (sum over its micro-batches of rows x longest
+      ``n_tokens``); averaged / maximised over steps. 1.0 is perfect; the slowest rank sets the step time.
+    - ``padding_fraction``: pad tokens / padded tokens, over the whole plan.
+    - ``critical_path_tokens``: sum over steps of the slowest rank's padded tokens (a proxy of wall time).
+    - ``collisions_per_step``: mean over steps of the sum over micro-slots (micro_index) of ``world_size`` -
+      the number of distinct majority clusters among the ranks' micro-batches (0 = stratified batches).
+    - ``single_cluster_fraction``: share of micro-batches whose rows all come from one cluster.
+    - ``critical_path_bound_tokens``: a lower bound on ``critical_path_tokens`` for *any* plan of the same
+      examples, W, B and G: per epoch, the larger of (real tokens / W) and B x the sum of every
+      (W * B * G)-th length in descending order (the step holding the j-th such length has a micro-batch at
+      least that long). With G = 1 the second term is exact: it is what the cluster-blind sorted cut reaches.
+    - ``critical_path_vs_bound``: ``critical_path_tokens / critical_path_bound_tokens`` (>= 1).
+    - ``steps``: optimizer steps; ``micro_batches_per_rank``: mean micro-batches per rank.
+
+    Args:
+        plan: a plan frame (:data:`PLAN_COLUMNS`).
+        world_size: W.
+
+    Returns:
+        dict of floats.
+
+    Raises:
+        ValueError: missing columns, empty plan, world_size < 1.
+    """
+    w = _positive("world_size", world_size)
+    missing = [c for c in ("step", "rank", "micro_index", "cluster", "n_tokens") if c not in plan.columns]
+    if missing:
+        raise ValueError(f"plan lacks columns {missing}")
+    if plan.empty:
+        raise ValueError("plan is empty")
+    mb = microbatch_table(plan)
+    load = mb.groupby(["step", "rank"], sort=True)["padded"].sum()
+    per_step = load.groupby(level="step")
+    step_max = per_step.max()
+    step_mean = per_step.sum() / w
+    imb = step_max / step_mean
+    distinct = mb.groupby(["step", "micro_index"], sort=True)["major"].nunique()
+    coll = (w - distinct).groupby(level="step").sum()
+    b = int(mb["rows"].max())
+    g = int(mb["micro_index"].max()) + 1
+    if "epoch" in plan.columns:
+        epochs = plan.groupby("epoch")
+        bound = float(sum(_critical_path_bound(part["n_tokens"].to_numpy(np.int64), w, b, g) for _, part in epochs))
+    else:
+        bound = _critical_path_bound(plan["n_tokens"].to_numpy(np.int64), w, b, g)
+    return {
+        "token_imbalance_mean": float(imb.mean()),
+        "token_imbalance_max": float(imb.max()),
+        "padding_fraction": float(1.0 - mb["real"].sum() / mb["padded"].sum()),
+        "critical_path_tokens": float(step_max.sum()),
+        "collisions_per_step": float(coll.mean()),
+        "single_cluster_fraction": float((mb["n_clusters"] == 1).mean()),
+        "critical_path_bound_tokens": bound,
+        "critical_path_vs_bound": float(step_max.sum()) / bound,
+        "steps": float(step_max.size),
+        "micro_batches_per_rank": float(mb.groupby("rank").size().mean()),
+    }
+
+
+def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_accum: int = 1) -> int:
+    """Enforce the hard rules that keep data-parallel training from hanging.
+
+    Checks: every rank 0..W-1 present and none outside; the same number of micro-batches on every rank; every
+    micro-batch has exactly ``micro_batch_size`` rows; every (rank, step) has micro_index 0..G-1; every step
+    has all ranks; every step lies in one epoch and steps increase with epochs. The trainer runs this on the
+    driver before any worker starts.
+
+    Returns:
+        The number of optimizer steps.
+
+    Raises:
+        ValueError: naming the offending rank / step / micro-batch, e.g. ``uneven plan: rank 1 has 3
+            micro-batches, rank 0 has 4; uneven counts hang the collective ops of data-parallel training``.
+    """
+    w = _positive("world_size", world_size)
+    b = _positive("micro_batch_size", micro_batch_size)
+    g = _positive("grad_accum", grad_accum)
+    missing = [c for c in ("step", "rank", "micro_index") if c not in plan.columns]
+    if missing:
+        raise ValueError(f"plan lacks columns {missing}")
+    ranks = plan["rank"].to_numpy()
+    outside = np.setdiff1d(np.unique(ranks), np.arange(w))
+    if outside.size:
+        raise ValueError(f"plan has rank {int(outside[0])} outside 0..{w - 1} (world size {w})")
+    mb = plan.groupby(["rank", "step", "micro_index"], sort=True).size()
+    per_rank = mb.groupby(level="rank").size().reindex(range(w), fill_value=0)
+    absent = per_rank.index[per_rank.to_numpy() == 0]
+    if len(absent):
+        raise ValueError(
+            f"uneven plan: rank {int(absent[0])} has no micro-batches (world size {w}); uneven counts hang the "
+            f"collective ops of data-parallel training"
+        )
+    if per_rank.nunique() > 1:
+        lo, hi = int(per_rank.idxmin()), int(per_rank.idxmax())
+        raise ValueError(
+            f"uneven plan: rank {lo} has {int(per_rank[lo])} micro-batches, rank {hi} has {int(per_rank[hi])}; "
+            f"uneven counts hang the collective ops of data-parallel training"
+        )
+    bad = mb[mb != b]
+    if len(bad):
+        (r, s, m), size = bad.index[0], int(bad.iloc[0])
+        raise ValueError(
+            f"micro-batch (rank {r}, step {s}, micro_index {m}) has {size} rows, expected micro_batch_size={b}"
+        )
+    per_rank_step = mb.reset_index().groupby(["rank", "step"])["micro_index"].agg(["size", "min", "max"])
+    wrong = per_rank_step[(per_rank_step["size"] != g) | (per_rank_step["min"] != 0) | (per_rank_step["max"] != g - 1)]
+    if len(wrong):
+        r, s = wrong.index[0]
+        raise ValueError(
+            f"rank {r} step {s} has micro_index values {sorted(mb.loc[(r, s)].index.tolist())}, "
+            f"expected 0..{g - 1} (grad_accum={g})"
+        )
+    ranks_per_step = mb.reset_index().groupby("step")["rank"].nunique()
+    short = ranks_per_step[ranks_per_step != w]
+    if len(short):
+        raise ValueError(
+            f"step {int(short.index[0])} has micro-batches on {int(short.iloc[0])} of {w} ranks; the others would "
+            f"wait forever in the step's collective ops"
+        )
+    if "epoch" in plan.columns:
+        epochs_per_step = plan.groupby("step")["epoch"].agg(["nunique", "min"])
+        split = epochs_per_step[epochs_per_step["nunique"] > 1]
+        if len(split):
+            raise ValueError(f"step {int(split.index[0])} spans several epochs; every step must lie in one epoch")
+        if np.any(np.diff(epochs_per_step["min"].to_numpy()) < 0):
+            raise ValueError("plan steps must increase with epochs")
+    return int(ranks_per_step.size)
+
+
+def plan_hash(plan: pd.DataFrame) -> str:
+    """sha256 (hex) of the plan's training order: ``rank, epoch, step, micro_index, example_id`` per row in
+    ``(rank, epoch, step, micro_index)`` order. A checkpoint records it, so a run resumes only its own plan."""
+    import hashlib
+
+    order = plan.sort_values(["rank", "epoch", "step", "micro_index"], kind="stable")
+    h = hashlib.sha256()
+    for c in ("rank", "epoch", "step", "micro_index"):
+        h.update(order[c].to_numpy(np.int64).tobytes())
+    h.update("\x00".join(order["example_id"].astype(str)).encode())
+    return h.hexdigest()

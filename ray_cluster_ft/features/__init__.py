@@ -1,0 +1,55 @@
+"""Feature stage: a per-example learning-effect feature for every candidate, computed by Ray Data actors.
+
+* :mod:`.projection`: the LoGra factorised gradient sketch (Choe et al. 2024, Sec. 3), pure torch;
+* :mod:`.reference`: slow exact references (per-example autograd, explicit Kronecker projection) for tests;
+* :mod:`.sketchers`: the gradient sketch and the embedding baseline behind one interface
+  (:func:`make_sketcher`);
+* :mod:`.store`: resumable Parquet shards keyed by settings, model and inputs; :func:`read_sketches`;
+* :mod:`.stage`: the Ray Data actor pool (:func:`compute_sketches`) and the stage (:func:`run`);
+* :mod:`.warmup`: optional warm-up training of the sketch model (LESS, Xia et al. 2024).
+"""
+
+from .inputs import SketchInputs, prepare_sketch_inputs, same_tokenization
+from .projection import Projector, make_projector, select_modules, sketch_batch
+from .reference import exact_sketch, sketch_fidelity, weight_gradients
+from .sketchers import (
+    EMBEDDING_PACKAGE,
+    EmbeddingSketcher,
+    GradientSketcher,
+    embedding_model_dir,
+    length_batches,
+    make_sketcher,
+)
+from .stage import FeatureStage, ShardSketcher, compute_sketches, run
+from .store import Shard, plan_shards, read_sketches, sketch_fingerprint
+from .warmup import warm_up, warmup_plan, warmup_sample
+
+__all__ = [
+    "EMBEDDING_PACKAGE",
+    "EmbeddingSketcher",
+    "FeatureStage",
+    "GradientSketcher",
+    "Projector",
+    "Shard",
+    "ShardSketcher",
+    "SketchInputs",
+    "compute_sketches",
+    "embedding_model_dir",
+    "exact_sketch",
+    "length_batches",
+    "make_projector",
+    "make_sketcher",
+    "plan_shards",
+    "prepare_sketch_inputs",
+    "read_sketches",
+    "run",
+    "same_tokenization",
+    "select_modules",
+    "sketch_batch",
+    "sketch_fidelity",
+    "sketch_fingerprint",
+    "warm_up",
+    "warmup_plan",
+    "warmup_sample",
+    "weight_gradients",
+]

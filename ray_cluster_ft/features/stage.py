@@ -1,0 +1,324 @@
+"""The feature stage: Ray Data actors sketch every candidate, resumably, one Parquet shard per actor call.
+
+``sketch.model`` may name a smaller proxy model (re-tokenised when its tokenizer differs),
+``sketch.method: embedding`` replaces gradients by all-MiniLM-L6-v2 sentence embeddings (the model-free
+baseline), and ``sketch.warmup_steps`` trains the sketch model briefly first (:mod:`.warmup`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from ..config import SketchConfig
+from .inputs import prepare_sketch_inputs
+from .sketchers import embedding_model_dir, make_sketcher
+from .store import (
+    _SHARD_COLS,
+    _finished_shards,
+    _to_arrow,
+    _write_atomic,
+    plan_shards,
+    sketch_fingerprint,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow as pa
+    import ray.data
+
+
+__all__ = [
+    "ShardSketcher",
+    "compute_sketches",
+    "FeatureStage",
+    "run",
+]
+
+
+# A shard (one actor call, one file) holds this many sketch sub-batches by default: sorting a larger pool
+# by length leaves less padding, and a smaller one loses less work to an interruption.
+_SUBBATCHES_PER_RAY_BATCH = 8
+
+
+class ShardSketcher:
+    """Ray Data callable class around :class:`GradientSketcher` / :class:`EmbeddingSketcher` that writes each
+    shard's sketches to ``out_dir/<shard file>`` (atomically) and returns one summary row per shard.
+
+    A batch must hold whole shards (``compute_sketches`` feeds one shard per block with ``batch_size=None``);
+    rows are grouped by the ``_shard`` column. Exports Ray metrics (``ray.util.metrics``, tag ``method``):
+    ``ray_cluster_ft_sketch_examples_total`` (counter, examples), ``ray_cluster_ft_sketch_tokens_total``
+    (counter, real tokens of the trained model's tokenization) and ``ray_cluster_ft_sketch_tokens_per_second``
+    (gauge, tokens/s of the actor's last shard, wall clock).
+
+    Args:
+        method: ``gradient`` or ``embedding``.
+        model_path: the model to sketch with (``None`` = the packaged MiniLM for ``embedding``).
+        sketch: ``SketchConfig.model_dump()``.
+        out_dir: the sketch folder (shared by every actor; on a multi-node cluster a shared file system).
+        trust_remote_code, pad_token_id, device: as in :class:`GradientSketcher`.
+        fail_on_shard: test hook: raise ``RuntimeError`` on reaching this shard index (an interrupted stage).
+    """
+
+    def __init__(self, method: str, model_path: str | None, sketch: dict, out_dir: str,
+                 trust_remote_code: bool = False, pad_token_id: int = 0, device: str | None = None,
+                 fail_on_shard: int | None = None):
+        self.inner = make_sketcher(method, model_path, sketch, trust_remote_code, pad_token_id, device)
+        self.method = method
+        self.out_dir = Path(out_dir)
+        self.fail_on_shard = fail_on_shard
+        self.metrics = None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                from ray.util.metrics import Counter, Gauge
+
+                tags = ("method",)
+                self.metrics = (
+                    Counter("ray_cluster_ft_sketch_examples_total", "examples sketched", tag_keys=tags),
+                    Counter("ray_cluster_ft_sketch_tokens_total", "real tokens of the examples sketched",
+                            tag_keys=tags),
+                    Gauge("ray_cluster_ft_sketch_tokens_per_second",
+                          "real tokens / wall seconds of this actor's last shard", tag_keys=tags),
+                )
+        except ImportError:  # pragma: no cover
+            pass
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import time
+
+        shard = np.asarray(batch["_shard"]).astype(np.int64)
+        files = np.asarray(batch["_shard_file"]).astype(str)
+        expect = np.asarray(batch["_shard_rows"]).astype(np.int64)
+        out = {"shard": [], "rows": [], "seconds": []}
+        for s in np.unique(shard):
+            rows = np.flatnonzero(shard == s)
+            if len(rows) != expect[rows[0]]:
+                raise RuntimeError(f"ShardSketcher: got {len(rows)} rows of shard {s}, expected {expect[rows[0]]}: "
+                                   f"a batch must hold whole shards")
+            if self.fail_on_shard is not None and int(s) == self.fail_on_shard:
+                raise RuntimeError(f"ShardSketcher: injected failure on shard {s}")
+            t0 = time.perf_counter()
+            sub = {k: v[rows] for k, v in batch.items() if k not in _SHARD_COLS}
+            _write_atomic(_to_arrow(self.inner(sub)), self.out_dir / files[rows[0]])
+            dt = time.perf_counter() - t0
+            if self.metrics is not None:
+                tokens = float(np.asarray(sub["n_tokens"]).sum())
+                tags = {"method": self.method}
+                self.metrics[0].inc(len(rows), tags=tags)
+                self.metrics[1].inc(tokens, tags=tags)
+                self.metrics[2].set(tokens / max(dt, 1e-9), tags=tags)
+            out["shard"].append(int(s))
+            out["rows"].append(len(rows))
+            out["seconds"].append(dt)
+        return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _actor_resources(cfg: SketchConfig, use_gpu: bool) -> tuple[int, float]:
+    """(number of actors, CPUs each) for the sketch pool.
+
+    Actors: ``cfg.num_actors``, else one per GPU of the Ray cluster (``use_gpu``) or one per CPU; at least 1.
+    CPUs: 1 each, but never more than ``CPU - 1`` in all: a pool holding every CPU starves Ray Data's read
+    and write tasks, and the job hangs (seen with ``read_parquet`` on 2 CPUs). A fractional share still
+    runs one torch thread (Ray sets ``OMP_NUM_THREADS`` to ``max(1, floor(cpus))``).
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    res = ray.cluster_resources()
+    n_cpu = float(res.get("CPU", 1.0))
+    if cfg.num_actors is not None:
+        n = cfg.num_actors
+    else:
+        n = max(1, int(res.get("GPU", 0) if use_gpu else n_cpu))
+    return n, min(1.0, max(n_cpu - 1.0, 0.0) / n)
+
+
+def _input_columns(method: str) -> list[str]:
+    return ["example_id", "text", "n_tokens"] if method == "embedding" else ["example_id", "input_ids", "labels",
+                                                                              "n_tokens"]
+
+
+# Long for its docstring (about 45 lines); the body is the shard bookkeeping and one Ray Data call.
+def compute_sketches(
+    examples: "pa.Table | ray.data.Dataset",
+    model_path: str | None,
+    cfg: SketchConfig,
+    out_dir: str,
+    use_gpu: bool = False,
+    trust_remote_code: bool = False,
+    pad_token_id: int = 0,
+    shard_rows: int | None = None,
+    fail_on_shard: int | None = None,
+) -> dict:
+    """Sketch every example with a pool of :class:`ShardSketcher` actors; resumable, one Parquet file a shard.
+
+    The rows (in input order) are cut into shards of ``shard_rows`` (default ``8 * cfg.batch_size``), each
+    named by a hash of the sketch fingerprint (:func:`sketch_fingerprint`: method, model weights, projection
+    settings, dtype) and the shard's ids and inputs (:func:`plan_shards`). Finished shard files already in
+    ``out_dir`` are kept and not recomputed; every other Parquet or temporary file there is deleted first
+    (another config's or input's shards, a half-written file). Each actor writes its shards atomically, so an
+    interrupted run leaves only whole shards, and a re-run sketches the rest: in the end ``out_dir`` holds
+    exactly one sketch per input row.
+
+    Input columns: ``example_id``, ``input_ids``, ``labels``, ``n_tokens`` for ``method: gradient``;
+    ``example_id``, ``text``, ``n_tokens`` for ``method: embedding`` (others are ignored). The pool has
+    ``cfg.num_actors`` actors, else one per GPU (``use_gpu``) or one per CPU of the Ray cluster, each with 1
+    GPU with ``use_gpu`` and up to 1 CPU (one CPU stays free for Ray Data's own tasks, see
+    :func:`_actor_resources`). Output columns: ``example_id`` (string), ``sketch``
+    (``fixed_size_list<float32>[dim]``), ``loss`` (float32, NaN for embeddings), ``n_tokens`` (int32); read
+    them back with :func:`read_sketches`. On a multi-node cluster ``out_dir`` must be on storage every node
+    writes to (the run directory already is, for Ray Train).
+
+    Args:
+        examples: a ``pyarrow.Table`` or a Ray Dataset (materialised on the driver, in block order).
+        model_path: the model to sketch with; for ``embedding`` ``None`` = the packaged all-MiniLM-L6-v2.
+        cfg: the ``sketch`` section.
+        out_dir: the sketch folder (created; owned by this stage).
+        use_gpu: one GPU per actor.
+        trust_remote_code: passed to the model loader.
+        pad_token_id: right-padding id of the sketch model's tokenizer.
+        shard_rows: rows per shard (and per actor call).
+        fail_on_shard: test hook, see :class:`ShardSketcher`.
+
+    Returns:
+        ``{"shards", "reused", "computed", "examples", "seconds"}``: shard counts (finished ones found vs
+        sketched now), rows, and wall seconds of this call.
+
+    Raises:
+        ValueError: a required column is missing, an example id repeats, or ``shard_rows < 1``.
+        RuntimeError: (from Ray) an actor failed; the shards finished before it stay on disk for a re-run.
+    """
+    import time
+
+    import pyarrow as pa
+
+    t0 = time.perf_counter()
+    need = _input_columns(cfg.method)
+    if not isinstance(examples, pa.Table):
+        import ray
+
+        examples = pa.concat_tables(ray.get(examples.select_columns(
+            [c for c in need if c in examples.columns()]).to_arrow_refs()))
+    missing = [c for c in need if c not in examples.column_names]
+    if missing:
+        raise ValueError(f"compute_sketches: examples lack columns {missing} (method {cfg.method!r})")
+    table = examples.select(need)
+    ids = table.column("example_id").to_pylist()
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})[:3] if len(ids) < 10_000 else "(several)"
+        raise ValueError(f"compute_sketches: example ids must be unique; repeated: {dup}")
+    if model_path is None and cfg.method == "embedding":
+        model_path = embedding_model_dir()
+    if model_path is None:
+        raise ValueError("compute_sketches: method 'gradient' needs a model_path")
+    rows = shard_rows if shard_rows is not None else _SUBBATCHES_PER_RAY_BATCH * cfg.batch_size
+    shards = plan_shards(table, rows, sketch_fingerprint(cfg, model_path, use_gpu), need[1:-1])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = _finished_shards(out, shards)
+    pending = [s for s in shards if s.file not in done]
+    if pending:
+        import ray
+        import ray.data
+
+        n_actors, cpus_per_actor = _actor_resources(cfg, use_gpu)
+        blocks = []
+        for s in pending:
+            t = table.slice(s.start, s.stop - s.start)
+            n = t.num_rows
+            blocks.append(t.append_column("_shard", pa.array(np.full(n, s.index, dtype=np.int32)))
+                          .append_column("_shard_file", pa.array([s.file] * n, type=pa.string()))
+                          .append_column("_shard_rows", pa.array(np.full(n, n, dtype=np.int32))))
+        # One block a shard, and batch_size=None hands an actor one whole block: a shard is sketched and
+        # written by one actor call, and the pool's actors share the shards.
+        summary = ray.data.from_arrow(blocks).map_batches(
+            ShardSketcher,
+            fn_constructor_kwargs={
+                "method": cfg.method,
+                "model_path": model_path,
+                "sketch": cfg.model_dump(),
+                "out_dir": str(out.resolve()),
+                "trust_remote_code": trust_remote_code,
+                "pad_token_id": pad_token_id,
+                "fail_on_shard": fail_on_shard,
+            },
+            batch_size=None,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=min(n_actors, len(pending))),
+            num_gpus=1 if use_gpu else 0,
+            num_cpus=cpus_per_actor,
+        ).take_all()
+        written = sorted(int(r["shard"]) for r in summary)
+        if written != sorted(s.index for s in pending):
+            raise RuntimeError(f"compute_sketches: actors reported shards {written[:5]}..., expected "
+                               f"{[s.index for s in pending][:5]}...")
+    lost = [s.file for s in shards if not (out / s.file).is_file()]
+    if lost:
+        raise RuntimeError(f"compute_sketches: {len(lost)} shard files missing after the run, e.g. {lost[:2]}")
+    return {
+        "shards": len(shards),
+        "reused": len(done),
+        "computed": len(pending),
+        "examples": table.num_rows,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+@dataclass(frozen=True)
+class FeatureStage:
+    """What the feature stage hands on.
+
+    Attributes:
+        sketches: float32 ``(N, dim)``, row i the feature of candidate i (the order of the candidates table).
+        summary: shard counts, seconds, the model sketched with and whether the rows were re-tokenised (the
+            manifest's ``sketch`` entry).
+    """
+
+    sketches: np.ndarray
+    summary: dict
+
+
+def run(cfg, run_dir: Path, train, tokenizer, timer) -> FeatureStage:
+    """The feature stage: optional warm-up of the sketch model, then every candidate sketched by Ray Data actors
+    into ``run_dir/sketches`` (resumable: finished shards of the same inputs, model and settings are kept, any
+    other file there is removed), read back in candidate order.
+
+    Args:
+        cfg: the job config (``sketch``, ``model``, ``data``, ``train`` sections).
+        run_dir: the run directory.
+        train: the candidates, :data:`ray_cluster_ft.data.EXAMPLE_SCHEMA`.
+        tokenizer: the trained model's tokenizer.
+        timer: times the ``sketch_warmup`` and ``sketch`` sub-stages (``timer.stage(name)`` context).
+
+    Raises:
+        RuntimeError: the actors did not produce exactly one sketch per candidate.
+    """
+    from ..rundir import claim
+    from .store import read_sketches
+    from .warmup import warm_up
+
+    sk_inputs = prepare_sketch_inputs(train, cfg, tokenizer)  # proxy model / re-tokenised / text
+    sketch_model = sk_inputs.model_path
+    if cfg.sketch.warmup_steps:
+        with timer.stage("sketch_warmup"):
+            sketch_model = warm_up(sk_inputs, cfg, claim(run_dir, "warmup"))
+    with timer.stage("sketch"):
+        sketch_dir = claim(run_dir, "sketches")
+        summary = compute_sketches(
+            sk_inputs.table, sketch_model, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
+            trust_remote_code=cfg.model.trust_remote_code, pad_token_id=sk_inputs.pad_token_id)
+        summary.update(model=sketch_model, retokenized=sk_inputs.retokenized)
+        sk = read_sketches(str(sketch_dir))
+        ids = np.asarray(train.column("example_id").to_pylist())
+        if len(sk["example_id"]) != len(ids) or len(set(sk["example_id"])) != len(ids):
+            raise RuntimeError(f"sketch stage produced {len(sk['example_id'])} sketches for {len(ids)} examples")
+        order = pd.Series(np.arange(len(ids)), index=ids).loc[sk["example_id"]].to_numpy()
+        sketches = np.empty((len(ids), sk["sketch"].shape[1]), dtype=np.float32)
+        sketches[order] = sk["sketch"]
+    return FeatureStage(sketches, summary)

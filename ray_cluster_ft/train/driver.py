@@ -1,0 +1,322 @@
+"""Training stage driver: Ray Train launches DeepSpeed workers that train exactly the micro-batches of the plan."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from ..allocate import check_plan
+from ..config import TrainConfig
+from .checkpoints import newest_complete_checkpoint, prune_checkpoints
+from .deepspeed import build_deepspeed_config
+from .loop import FAIL_AT_STEP_ENV, train_loop_per_worker
+from .rank_data import _KEY, TRAINED_COLUMNS, build_rank_tables, plan_hash
+
+__all__ = [
+    "TrainResult",
+    "train",
+    "run",
+    "verify_trained",
+]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What :func:`train` produced.
+
+    Attributes:
+        final_model_dir: Hugging Face folder of the trained model (with tokenizer); None when not saved.
+        steps: optimizer steps taken (all epochs).
+        seconds: wall-clock seconds of the whole Ray Train run (worker start, DeepSpeed init, training,
+            checkpoint, model save).
+        final_loss: loss of the last step, averaged over ranks (mean over the label tokens of each
+            micro-batch, then over the step's micro-batches and the ranks).
+        log_path: ``train_log.jsonl``, one row per step.
+        trained_path: ``trained.parquet``, one row per trained example, in training order per rank.
+        checkpoint_path: the final Ray Train checkpoint folder (DeepSpeed state of every rank); None if
+            Ray reported none.
+        init_seconds: seconds rank 0 spent loading the model and in ``deepspeed.initialize``.
+        step_time_p50_s, step_time_p90_s: per rank (list index = rank), the median and 90th percentile of
+            the optimizer-step wall time in seconds.
+        wait_mean_s: per rank, mean seconds per step spent waiting at the gradient all-reduce, approximated
+            as step time minus 3x the forward time (see ``train_log.jsonl``'s ``wait_s_per_rank``).
+        resumed_from_step: optimizer steps the last (re)start found already done in its checkpoint.
+    """
+
+    final_model_dir: Path | None
+    steps: int
+    seconds: float
+    final_loss: float
+    log_path: Path
+    trained_path: Path
+    checkpoint_path: str | None = None
+    init_seconds: float = float("nan")
+    step_time_p50_s: list = ()
+    step_time_p90_s: list = ()
+    wait_mean_s: list = ()
+    resumed_from_step: int = 0
+
+
+def _consolidate_trained(run_dir: Path, world_size: int) -> pd.DataFrame:
+    frames = []
+    for r in range(world_size):
+        path = run_dir / "trained" / f"rank{r}.jsonl"
+        if not path.exists() or path.stat().st_size == 0:
+            raise RuntimeError(f"worker {r} left no record of what it trained ({path})")
+        frames.append(pd.read_json(path, lines=True, dtype={"example_id": str}))
+    out = pd.concat(frames, ignore_index=True)[list(TRAINED_COLUMNS)]
+    return out.astype({"rank": np.int64, "step": np.int64, "micro_index": np.int64, "epoch": np.int64,
+                       "example_id": str})
+
+
+def _fit(trainer):
+    """``trainer.fit()`` on a helper thread. Ray Train installs its own SIGINT handler when ``fit`` runs on the
+    main thread (it aborts the run and exits 1 with no message); from another thread it does not, so the main
+    thread keeps the caller's handlers, and an interrupt raised there stops the run where the caller decides
+    (the recipe shuts Ray down, which stops the workers; checkpoints already on disk stay)."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as err:  # noqa: BLE001 - re-raised on the main thread below
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="ray-cluster-ft-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _trainer(cfg: TrainConfig, tables: list[pa.Table], run_dir: Path, loop_config: dict):
+    """The ``TorchTrainer``: one dataset per rank handed over unsplit and in order, the worker loop, checkpoints
+    under ``run_dir/ray_train`` (only the latest kept), retries from the latest checkpoint."""
+    import ray.data
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from ..model import cache_dir
+
+    # Ray Train's print patch both tees and logs every print of a worker: the progress lines came out twice.
+    env = {"TORCH_EXTENSIONS_DIR": str(cache_dir() / "torch_extensions"), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    if not cfg.use_gpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    datasets = {}
+    for r, t in enumerate(tables):
+        ds = ray.data.from_arrow(t)
+        # Per-dataset context copy: the workers log their own progress; per-batch data bars only add noise.
+        ds.context.enable_progress_bars = False
+        datasets[f"train_rank{r}"] = ds
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}
+        ),
+        run_config=ray.train.RunConfig(
+            name="train",
+            storage_path=str(run_dir / "ray_train"),
+            worker_runtime_env={"env_vars": env},
+            # Only the latest checkpoint is kept (the demo model's ZeRO-2 checkpoint is about 2 GB).
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+        ),
+        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo", timeout_s=cfg.timeout_s),
+        datasets=datasets,
+        dataset_config=ray.train.DataConfig(
+            datasets_to_split=[], execution_options=ray.data.ExecutionOptions(preserve_order=True)
+        ),
+    )
+
+
+# Long for its docstring (about 50 lines: arguments, fault tolerance, errors); the trainer is built by _trainer.
+def train(
+    plan: pd.DataFrame,
+    examples: pa.Table | pd.DataFrame,
+    cfg: TrainConfig,
+    model_path: str,
+    run_dir: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    save_model: bool = True,
+    pad_token_id: int = 0,
+    resume: bool = False,
+) -> TrainResult:
+    """Train ``model_path`` on exactly the planned micro-batches with Ray Train + DeepSpeed.
+
+    Expects Ray to be initialised by the caller (otherwise Ray starts a local instance with defaults).
+    Each of ``cfg.num_workers`` workers takes ``cfg.cpus_per_worker`` CPUs (and one GPU with
+    ``cfg.use_gpu``). On CPU the workers get ``DS_ACCELERATOR=cpu`` and the gloo backend; on GPU NCCL and
+    bf16. ``TORCH_EXTENSIONS_DIR`` points at ``cache_dir()/torch_extensions`` so any DeepSpeed op that is
+    compiled is compiled once.
+
+    Args:
+        plan: allocation plan, columns ``epoch, step, rank, micro_index, example_id`` (+ any others), sorted
+            by ``(rank, epoch, step, micro_index, position)``; see :func:`ray_cluster_ft.allocate.check_plan`.
+        examples: ``example_id`` (str), ``input_ids``, ``labels`` (list<int32>, -100 on prompt tokens).
+        cfg: the ``train`` section of the job config.
+        model_path: ``demo``, a local Hugging Face folder or a hub id (resolved with ``resolve_model_path``).
+        run_dir: the run directory (local path visible to the driver and every worker).
+        trust_remote_code: passed to ``from_pretrained``.
+        save_model: write ``run_dir/final_model`` (HF format + tokenizer).
+        pad_token_id: id used to right-pad micro-batches (masked out of attention and loss).
+        resume: continue from the newest complete checkpoint under ``run_dir/ray_train`` (a stopped run of the
+            same plan: Ray's latest, or a newer complete one on disk; incomplete ones are skipped and reported);
+            False starts clean, deleting that run's checkpoints and logs. Checkpoints other than the final one
+            are removed after the run.
+
+    Fault tolerance: ``cfg.max_failures`` worker-group restarts, each resuming from the latest checkpoint
+    (written every ``cfg.checkpoint_every`` steps and at the end). For tests, ``$RAY_CLUSTER_FT_FAIL_AT_STEP=N``
+    makes rank 0 raise once per run directory at the start of optimizer step N (1-based).
+
+    Returns:
+        :class:`TrainResult`.
+
+    Raises:
+        ValueError: an uneven or malformed plan, or plan/examples that do not join (before any worker starts).
+        FileNotFoundError: ``model_path`` is a missing local folder.
+        RuntimeError: the workers trained something other than the plan.
+        ray.train.TrainingFailedError: a worker failed.
+    """
+    from ..model import resolve_model_path
+
+    world = cfg.num_workers
+    total_steps = check_plan(plan, world, cfg.micro_batch_size, cfg.grad_accum)
+    n_micro = total_steps * cfg.grad_accum
+    tables = build_rank_tables(plan, examples, world)
+    model_dir = resolve_model_path(model_path)
+    tokenizer = None
+    if save_model:
+        from transformers import AutoTokenizer
+
+        # Loaded before the run so a model folder without a tokenizer fails now, not after training.
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+    run_dir = Path(run_dir).expanduser().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Ray Train resumes from any checkpoint under the same RunConfig(name, storage_path): a fresh run must
+    # not find the last run's.
+    stale_dirs = ["final_model"] if resume else ["trained", "final_model", "ray_train"]
+    for stale in stale_dirs:
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    (run_dir / "trained").mkdir(exist_ok=True)
+    for stale in ("trained.parquet",) if resume else ("train_log.jsonl", "trained.parquet"):
+        (run_dir / stale).unlink(missing_ok=True)
+
+    storage = run_dir / "ray_train" / "train"
+    this_plan = plan_hash(plan)
+    resume_from, skipped = newest_complete_checkpoint(storage, world, this_plan) if resume else (None, [])
+    for line in skipped:
+        print(f"[train] skipped incomplete checkpoint {line}", flush=True)
+    trainer = _trainer(cfg, tables, run_dir, {
+        "train": cfg.model_dump(),
+        "ds_config": build_deepspeed_config(cfg, total_steps),
+        "model_dir": model_dir,
+        "trust_remote_code": trust_remote_code,
+        "run_dir": str(run_dir),
+        "total_steps": total_steps,
+        "micro_batches_per_rank": n_micro,
+        "save_model": save_model,
+        "pad_token_id": int(pad_token_id),
+        "plan_hash": this_plan,
+        "fail_at_step": os.environ.get(FAIL_AT_STEP_ENV),
+        "resume_checkpoint": resume_from,
+    })
+    t0 = time.perf_counter()
+    result = _fit(trainer)
+    seconds = time.perf_counter() - t0
+    prune_checkpoints(storage, result.checkpoint.path if result.checkpoint is not None else None)
+
+    trained = _consolidate_trained(run_dir, world)
+    trained_path = run_dir / "trained.parquet"
+    trained.to_parquet(trained_path, index=False)
+    expected = plan.sort_values(["rank", *_KEY], kind="stable")
+    same = all(
+        np.array_equal(trained[c].to_numpy(), expected[c].to_numpy(np.int64)) for c in ("rank", *_KEY)
+    ) and np.array_equal(trained["example_id"].to_numpy(), expected["example_id"].astype(str).to_numpy())
+    if not same:
+        raise RuntimeError(f"the workers did not train the plan: see {trained_path}")
+
+    log_path = run_dir / "train_log.jsonl"
+    log = pd.read_json(log_path, lines=True)
+    if len(log) != total_steps:
+        raise RuntimeError(f"train log has {len(log)} steps, the plan {total_steps}")
+    final_dir = None
+    if save_model:
+        final_dir = run_dir / "final_model"
+        tokenizer.save_pretrained(final_dir)
+    metrics = result.metrics or {}
+    per_rank = np.asarray(log["step_time_s_per_rank"].tolist(), dtype=np.float64)  # (steps, world)
+    waits = np.asarray(log["wait_s_per_rank"].tolist(), dtype=np.float64)
+    return TrainResult(
+        final_model_dir=final_dir,
+        steps=total_steps,
+        seconds=seconds,
+        final_loss=float(log["loss"].iloc[-1]),
+        log_path=log_path,
+        trained_path=trained_path,
+        checkpoint_path=result.checkpoint.path if result.checkpoint is not None else None,
+        init_seconds=float(metrics.get("init_s", float("nan"))),
+        step_time_p50_s=np.percentile(per_rank, 50, axis=0).round(4).tolist(),
+        step_time_p90_s=np.percentile(per_rank, 90, axis=0).round(4).tolist(),
+        wait_mean_s=waits.mean(axis=0).round(4).tolist(),
+        resumed_from_step=int(metrics.get("resumed_from_micro_batch", 0)) // cfg.grad_accum,
+    )
+
+
+def verify_trained(plan: pd.DataFrame, trained: pd.DataFrame) -> dict:
+    """Check the trained-ids log against the plan.
+
+    Args:
+        plan: rows ``rank, epoch, step, micro_index, example_id`` in plan order.
+        trained: rows ``rank, epoch, step, micro_index, example_id`` as the workers logged them.
+
+    Returns:
+        ``{"matches_plan": bool, "once_per_epoch": bool, "distinct_trained": int, "mismatched_ranks": [...]}``:
+        ``matches_plan`` is True when every rank trained exactly its planned ids in plan order.
+    """
+    bad = []
+    for r, p in plan.groupby("rank", sort=True):
+        t = trained[trained["rank"] == r]
+        if list(p["example_id"]) != list(t["example_id"]) or list(p["epoch"]) != list(t["epoch"]):
+            bad.append(int(r))
+    extra = sorted(set(trained["rank"]) - set(plan["rank"]))
+    per_epoch = trained.groupby("epoch")["example_id"]
+    planned_ids = set(plan["example_id"])
+    once = all(g.is_unique and set(g) == planned_ids for _, g in per_epoch) and per_epoch.ngroups == plan["epoch"].nunique()
+    return {
+        "matches_plan": not bad and not extra,
+        "once_per_epoch": bool(once),
+        "distinct_trained": int(trained["example_id"].nunique()),
+        "mismatched_ranks": bad + [int(e) for e in extra],
+    }
+
+
+def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_path: str, pad_token_id: int,
+        resume: bool = False) -> TrainResult:
+    """The training stage: :func:`train` on the planned rows of ``candidates`` (the whole candidates table;
+    only the rows the plan names are sent to the workers).
+
+    Raises:
+        RuntimeError: the workers trained something other than the plan.
+    """
+    from ..rundir import claim
+
+    claim(run_dir, "trained", "trained.parquet", "train_log.jsonl", "ray_train", "final_model", ".fault_injected")
+    ids = np.asarray(candidates.column("example_id").to_pylist())
+    planned = candidates.filter(pa.array(np.isin(ids, plan["example_id"].unique())))
+    res = train(plan, planned, cfg.train, model_path, run_dir, trust_remote_code=cfg.model.trust_remote_code,
+                save_model=cfg.output.save_model, pad_token_id=pad_token_id, resume=resume)
+    return res

@@ -1,0 +1,321 @@
+"""The Ray Train worker: DeepSpeed-train this rank's planned micro-batches, log, checkpoint, save the model."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from .deepspeed import _disable_shm_comm, _make_scheduler
+from .rank_data import _KEY
+from .step import micro_batch_to_device, train_micro_batch
+
+__all__ = ["FAIL_AT_STEP_ENV", "train_loop_per_worker"]
+
+
+FAIL_AT_STEP_ENV = "RAY_CLUSTER_FT_FAIL_AT_STEP"  # fault injection for tests: rank 0 raises once at this step
+
+
+def _check_micro_batch(batch: dict[str, np.ndarray], micro_batch_size: int) -> tuple[int, int, int]:
+    """(epoch, step, micro_index) of a batch that must be exactly one planned micro-batch."""
+    n = len(batch["example_id"])
+    key = tuple(np.unique(batch[c]) for c in _KEY)
+    if n != micro_batch_size or any(k.size != 1 for k in key):
+        raise RuntimeError(
+            f"a batch of {n} rows spans (epoch, step, micro_index) values {[k.tolist() for k in key]}; expected "
+            f"exactly one planned micro-batch of {micro_batch_size} rows (is the dataset order preserved?)"
+        )
+    return int(key[0][0]), int(key[1][0]), int(key[2][0])
+
+
+def _append_jsonl(fh, rows: list[dict]) -> None:
+    fh.write("".join(json.dumps(r) + "\n" for r in rows))
+    fh.flush()
+
+
+def _truncate_lines(path: Path, keep: int) -> None:
+    """Keep the first ``keep`` lines of a JSONL log (rows written after the checkpoint are trained again)."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    complete = [x for x in lines if x.endswith("\n")]
+    if len(complete) < keep:
+        raise RuntimeError(f"{path} holds {len(complete)} complete rows but the checkpoint says {keep} were trained")
+    path.write_text("".join(complete[:keep]), encoding="utf-8")
+
+
+def _restore(engine, rank: int, plan_hash: str, disk_checkpoint: str | None) -> int:
+    """Load the newest checkpoint into ``engine``: Ray's latest, or ``disk_checkpoint`` (the newest complete one
+    the driver found on disk, see :func:`ray_cluster_ft.train.newest_complete_checkpoint`) when that is further
+    along (an interrupt can stop the run before Ray records the checkpoints it wrote). Returns the micro-batches
+    already trained."""
+    import contextlib
+
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    with (ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(None)) as ray_dir:
+        found = []
+        for d in (ray_dir, disk_checkpoint):
+            pos_file = Path(d) / f"plan_position_rank{rank}.json" if d else None
+            if pos_file is not None and pos_file.is_file():
+                pos = json.loads(pos_file.read_text())
+                found.append((int(pos["micro_batches_done"]), d, pos))
+        if not found:
+            return 0
+        done, d, pos = max(found, key=lambda f: f[0])
+        if pos.get("plan_hash") != plan_hash:
+            raise RuntimeError(
+                f"the checkpoint in {d} was written for another plan (plan hash {pos.get('plan_hash')}, this run's "
+                f"is {plan_hash}); resume only with the run's own plan, or start a fresh run directory")
+        load_path, _ = engine.load_checkpoint(d, tag=pos["tag"])
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint '{pos['tag']}' in {d}")
+    return done
+
+
+def _checkpoint(engine, rank: int, done: int, steps_done: int, plan_hash: str, metrics: dict) -> None:
+    """Every rank saves its DeepSpeed shard and its plan position; Ray merges them into one checkpoint. The
+    position file lists the files this rank wrote with their sizes, so a checkpoint cut short by an interrupt
+    can be told from a complete one."""
+    import ray.train
+
+    tag = f"step{steps_done}"
+    with tempfile.TemporaryDirectory(prefix="ds_ckpt_") as tmp:
+        engine.save_checkpoint(tmp, tag=tag)
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+        # One position file per rank, so Ray's merge of the ranks' checkpoint folders cannot collide.
+        (Path(tmp) / f"plan_position_rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "micro_batches_done": done, "steps_done": steps_done, "tag": tag, "plan_hash": plan_hash,
+             "files": files}))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def _metric_handles(rank: int) -> dict:
+    """The training metrics exported to Ray's metrics agent (Prometheus / the dashboard's Metrics view)."""
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    tags = {"rank": str(rank)}
+    m = {
+        "step_s": Histogram("ray_cluster_ft_train_step_seconds", "optimizer-step wall time of this rank",
+                            boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160], tag_keys=("rank",)),
+        "wait_s": Gauge("ray_cluster_ft_train_wait_seconds",
+                        "approximate wait at the gradient all-reduce in the last step (step time - compute time)",
+                        tag_keys=("rank",)),
+        "tokens": Counter("ray_cluster_ft_train_tokens_total", "real (non-padding) tokens trained by this rank",
+                          tag_keys=("rank",)),
+        "tps": Gauge("ray_cluster_ft_train_tokens_per_second", "this rank's real tokens / its step time",
+                     tag_keys=("rank",)),
+        "loss": Gauge("ray_cluster_ft_train_loss", "last step's loss averaged over ranks", tag_keys=("rank",)),
+    }
+    for h in m.values():
+        h.set_default_tags(tags)
+    return m
+
+
+def _namespace(d: dict) -> SimpleNamespace:
+    """A plain (nested) dict as attributes: workers get the driver's validated config as data, not a model
+    to validate again."""
+    return SimpleNamespace(**{k: _namespace(v) if isinstance(v, dict) else v for k, v in d.items()})
+
+
+def _build_engine(config: dict, cfg: SimpleNamespace):
+    """Load the model (bf16 on GPU), wrap LoRA adapters if configured, and ``deepspeed.initialize`` it with the
+    driver's DeepSpeed dict and the client LR schedule. Returns ``(engine, load_seconds, init_seconds)``."""
+    import deepspeed
+    import torch
+
+    from ..model import load_model
+
+    _disable_shm_comm()
+    t0 = time.perf_counter()
+    # bf16 weights on GPU: a 7B model in fp32 would need 28 GB per rank before ZeRO shards it (DeepSpeed keeps
+    # its own fp32 master copy in the optimizer state).
+    model = load_model(config["model_dir"], trust_remote_code=config["trust_remote_code"],
+                       dtype=torch.bfloat16 if cfg.use_gpu else torch.float32)
+    if cfg.lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        model = get_peft_model(model, PeftLoraConfig(
+            r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+            target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
+    t_load = time.perf_counter() - t0
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=config["ds_config"],
+        lr_scheduler=partial(_make_scheduler, warmup_steps=cfg.warmup_steps, total_steps=config["total_steps"]),
+    )
+    return engine, t_load, time.perf_counter() - t0
+
+
+def _end_of_step(acc, step_time: float, fwd_s: float, ga: int, rank: int, world: int, meters: dict):
+    """All-gather every rank's step figures once per step, export this rank's metrics.
+
+    Returns:
+        float64 ``(world, 5)``: loss (mean over this rank's micro-batches), real tokens, padded tokens, step
+        seconds, forward seconds; and the per-rank approximate compute and wait seconds.
+    """
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.cat([acc, torch.tensor([step_time, fwd_s], dtype=torch.float64, device=acc.device)])
+    mine[0] /= ga
+    per_rank = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(per_rank, mine)
+    g = torch.stack(per_rank).cpu().numpy()
+    # Backward costs about twice the forward (Kaplan et al. 2020, section 2.1), and the forward holds no
+    # collective under ZeRO 0-2, so 3x forward approximates the rank's own compute.
+    compute = 3.0 * g[:, 4]
+    wait = np.maximum(0.0, g[:, 3] - compute)
+    meters["step_s"].observe(step_time)
+    meters["wait_s"].set(float(wait[rank]))
+    meters["tokens"].inc(float(g[rank, 1]))
+    meters["tps"].set(float(g[rank, 1] / max(step_time, 1e-9)))
+    meters["loss"].set(float(g[:, 0].mean()))
+    return g, compute, wait
+
+
+def _log_row(step: int, epoch: int, g: np.ndarray, compute: np.ndarray, wait: np.ndarray, lr: float) -> dict:
+    """One row of ``train_log.jsonl`` from :func:`_end_of_step`'s figures."""
+    slowest = float(g[:, 3].max())
+    return {"step": step, "epoch": epoch, "loss": float(g[:, 0].mean()), "tokens": int(g[:, 1].sum()),
+            "padded_tokens": int(g[:, 2].sum()), "step_time_s": slowest,
+            "tokens_per_s": float(g[:, 1].sum()) / max(slowest, 1e-9), "lr": lr,
+            "step_time_s_per_rank": g[:, 3].round(4).tolist(),
+            "compute_s_per_rank": compute.round(4).tolist(), "wait_s_per_rank": wait.round(4).tolist(),
+            "tokens_per_rank": g[:, 1].astype(int).tolist()}
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train worker: DeepSpeed-train this rank's planned micro-batches, log, checkpoint, save the model.
+
+    ``config`` is plain data from the driver (the validated train section, the finished DeepSpeed dict, the
+    resolved model folder); nothing is validated or read from the job spec here. After a worker-group restart
+    (or a driver-level resume) the worker loads the latest checkpoint, cuts its logs back to the checkpoint's
+    plan position and skips that many micro-batches of its (re-created, same order) dataset iterator, so every
+    planned micro-batch is trained exactly once in the final model's history.
+    """
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    cfg = _namespace(config["train"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    run_dir = Path(config["run_dir"])
+    total_steps, n_micro = config["total_steps"], config["micro_batches_per_rank"]
+    mbs, ga = cfg.micro_batch_size, cfg.grad_accum
+    fail_at = int(config["fail_at_step"] or 0)
+    torch.manual_seed(cfg.seed)
+
+    engine, t_load, t_init = _build_engine(config, cfg)
+    engine.train()
+    device = engine.device
+    start = _restore(engine, rank, config["plan_hash"], config.get("resume_checkpoint"))
+    if rank == 0:
+        print(f"[train] model loaded in {t_load:.1f}s, deepspeed.initialize done at {t_init:.1f}s "
+              f"(ZeRO-{cfg.zero_stage}{', LoRA' if cfg.lora.enabled else ''}, world {world}, {total_steps} steps)"
+              + (f"; resumed after step {start // ga}" if start else ""), flush=True)
+
+    trained_path = run_dir / "trained" / f"rank{rank}.jsonl"
+    _truncate_lines(trained_path, start * mbs)
+    trained_fh = open(trained_path, "a", encoding="utf-8")
+    log_fh = None
+    if rank == 0:
+        _truncate_lines(run_dir / "train_log.jsonl", start // ga)
+        log_fh = open(run_dir / "train_log.jsonl", "a", encoding="utf-8")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    meters = _metric_handles(rank)
+    shard = ray.train.get_dataset_shard(f"train_rank{rank}")
+    done = 0
+    cur_step = None
+    step_t0 = step_lr = fwd_s = 0.0
+    # This rank's step sums (loss over micro-batches, real tokens, padded tokens), kept on the device so the
+    # micro-batch loop never waits for the accelerator; read once per step by the all-gather.
+    acc = torch.zeros(3, dtype=torch.float64, device=device)
+    metrics: dict[str, Any] = {}
+    t_train = time.perf_counter()
+    try:
+        for batch in shard.iter_batches(batch_size=mbs, batch_format="numpy"):
+            epoch, step, micro = _check_micro_batch(batch, mbs)
+            if micro != done % ga or (micro == 0 and cur_step is not None and step <= cur_step) or (
+                micro > 0 and step != cur_step
+            ):
+                raise RuntimeError(
+                    f"rank {rank}: micro-batch (epoch {epoch}, step {step}, micro_index {micro}) arrived out of plan "
+                    f"order after {done} micro-batches"
+                )
+            cur_step = step
+            if done < start:  # trained before the checkpoint this run resumed from
+                done += 1
+                continue
+            if micro == 0:
+                n_step = done // ga + 1
+                if fail_at == n_step and rank == 0 and not (run_dir / ".fault_injected").exists():
+                    (run_dir / ".fault_injected").touch()
+                    raise RuntimeError(f"injected failure at step {n_step} ({FAIL_AT_STEP_ENV}={fail_at})")
+                step_t0 = time.perf_counter()
+                fwd_s = 0.0
+                step_lr = float(engine.get_lr()[0])  # the lr this step trains with (the scheduler steps after it)
+                acc.zero_()
+            mb = micro_batch_to_device(batch, config["pad_token_id"], device)
+            loss, dt = train_micro_batch(engine, mb, sync)
+            fwd_s += dt
+            _append_jsonl(trained_fh, [
+                {"rank": rank, "step": step, "micro_index": micro, "epoch": epoch, "example_id": str(e)}
+                for e in batch["example_id"]
+            ])
+            acc += torch.stack([loss.double(), mb["attention_mask"].sum().double(),
+                                torch.tensor(float(mb["attention_mask"].numel()), dtype=torch.float64, device=device)])
+            done += 1
+            if micro != ga - 1:
+                continue
+            sync()
+            g, compute, wait = _end_of_step(acc, time.perf_counter() - step_t0, fwd_s, ga, rank, world, meters)
+            steps_done = done // ga
+            metrics = {"epoch": epoch, "step": step, "loss": float(g[:, 0].mean())}
+            if log_fh is not None:
+                row = _log_row(step, epoch, g, compute, wait, step_lr)
+                _append_jsonl(log_fh, [row])
+                if steps_done % cfg.log_every == 0 or steps_done == total_steps:
+                    print(f"[train] step {steps_done}/{total_steps} epoch {epoch} loss {row['loss']:.4f} "
+                          f"tokens/s {row['tokens_per_s']:.0f} step {row['step_time_s']:.2f}s "
+                          f"wait {wait.max():.2f}s", flush=True)
+            if cfg.checkpoint_every and steps_done % cfg.checkpoint_every == 0 and steps_done < total_steps:
+                trained_fh.flush()
+                _checkpoint(engine, rank, done, steps_done, config["plan_hash"], metrics)
+        if done != n_micro:
+            raise RuntimeError(f"rank {rank}: trained {done} micro-batches, the plan has {n_micro}")
+    finally:
+        trained_fh.close()
+        if log_fh is not None:
+            log_fh.close()
+    t_train = time.perf_counter() - t_train
+
+    final = {**metrics, "load_s": t_load, "init_s": t_init, "train_s": t_train, "resumed_from_micro_batch": start}
+    # The final checkpoint comes before the model is written: merging LoRA adapters rewrites the module tree.
+    _checkpoint(engine, rank, done, done // ga, config["plan_hash"], final)
+    if config["save_model"]:
+        _save_hf_model(engine, run_dir / "final_model", rank, cfg.zero_stage,
+                       merge_lora=cfg.lora.enabled and cfg.lora.merge)
+    dist.barrier()
+
+
+def _save_hf_model(engine, dest: Path, rank: int, zero_stage: int, merge_lora: bool = False) -> None:
+    """Rank 0 writes ``engine.module`` with ``save_pretrained`` (for a peft model: the adapter, or with
+    ``merge_lora`` the base model with the adapters merged in); under ZeRO-3 every rank first all-gathers the
+    partitioned parameters (a collective, so all ranks must call this)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero_stage == 3):
+        if rank == 0:
+            module = engine.module.merge_and_unload() if merge_lora else engine.module
+            module.save_pretrained(dest)
+

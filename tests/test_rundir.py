@@ -1,0 +1,111 @@
+"""The run directory is owned by proof (a marker with the run id and a ledger of what the run wrote), never by
+file names: nothing a run did not write is removed or overwritten."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ray_cluster_ft.config import ConfigError, parse_config
+from ray_cluster_ft.rundir import RUN_MARKER, claim, input_paths, prepare_run_dir, read_ledger
+
+
+def test_a_file_or_an_uncreatable_path_is_refused(tmp_path):
+    a_file = tmp_path / "out.txt"
+    a_file.write_text("mine")
+    with pytest.raises(ConfigError, match="output.dir .*out.txt is a file, not a directory"):
+        prepare_run_dir(a_file, resume=False)
+    with pytest.raises(ConfigError, match="output.dir .*out.txt/sub cannot be created: Not a directory"):
+        prepare_run_dir(a_file / "sub", resume=False)
+    assert a_file.read_text() == "mine"
+
+
+@pytest.mark.parametrize("names", [["config.yaml"], ["manifest.json", "config.yaml", "report.md"],
+                                   ["examples.parquet", "notes.txt"], [RUN_MARKER, "plan.parquet"]])
+def test_files_named_like_artifacts_are_no_proof(tmp_path, names):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    for n in names:
+        (folder / n).write_text(f"the user's {n}")  # an empty or foreign marker is no proof either
+    before = {p.name: p.read_text() for p in folder.iterdir()}
+    with pytest.raises(ConfigError, match="holds '.*', which it has no ray-cluster-ft run marker, so no run wrote "
+                                          "it; nothing was touched"):
+        prepare_run_dir(folder, resume=False)
+    with pytest.raises(ConfigError, match="nothing was touched"):
+        prepare_run_dir(folder, resume=True)
+    assert {p.name: p.read_text() for p in folder.iterdir()} == before
+
+
+def test_a_fresh_run_removes_only_what_its_ledger_lists(tmp_path):
+    run = tmp_path / "runs" / "x"
+    first = prepare_run_dir(run, resume=False)
+    assert read_ledger(run) == {"run_id": first, "paths": []}
+    for d in ("final_model", "trained", "sketches"):
+        claim(run, d).mkdir()
+    for f in ("train_log.jsonl", "plan.parquet"):
+        claim(run, f).write_text("old")
+    assert read_ledger(run)["paths"] == ["final_model", "trained", "sketches", "train_log.jsonl", "plan.parquet"]
+    assert prepare_run_dir(run, resume=True) == first  # a resume keeps everything and the run id
+    assert (run / "final_model").exists() and (run / "train_log.jsonl").exists()
+    second = prepare_run_dir(run, resume=False)
+    assert second != first
+    assert sorted(p.name for p in run.iterdir()) == [RUN_MARKER, "sketches"]  # shards are reused by key
+    assert read_ledger(run)["paths"] == ["sketches"]
+
+
+def test_an_unlisted_entry_in_an_owned_folder_is_refused_and_kept(tmp_path):
+    run = tmp_path / "run"
+    prepare_run_dir(run, resume=False)
+    claim(run, "plan.parquet").write_text("ours")
+    (run / "report.md").write_text("the user's notes")  # named like an artifact, but never claimed
+    with pytest.raises(ConfigError, match="holds 'report.md', which its ledger does not list"):
+        prepare_run_dir(run, resume=False)
+    assert (run / "report.md").read_text() == "the user's notes" and (run / "plan.parquet").exists()
+    # A stage never writes over it either.
+    with pytest.raises(ConfigError, match="'report.md' appeared there during the run and no run wrote it"):
+        claim(run, "manifest.json", "report.md")
+    assert (run / "report.md").read_text() == "the user's notes"
+    with pytest.raises(ConfigError, match="not a prepared run directory"):
+        claim(tmp_path, "x.json")
+
+
+def test_an_input_inside_the_output_folder_is_never_touched(tmp_path):
+    data = tmp_path / "work" / "examples.parquet"
+    data.parent.mkdir()
+    data.write_text("the user's data")
+    cfg = parse_config({"data": {"paths": [str(data)]}})
+    with pytest.raises(ConfigError, match=r"holds an input of this job \(.*examples.parquet\)"):
+        prepare_run_dir(data.parent, resume=False, inputs=input_paths(cfg))
+    # Even a folder this tool owns: the input is refused before its ledger is read.
+    owned = tmp_path / "owned"
+    prepare_run_dir(owned, resume=False)
+    inner = claim(owned, "examples.parquet")
+    inner.write_text("written by the run, then named as data")
+    cfg = parse_config({"data": {"paths": [str(inner)]}})
+    with pytest.raises(ConfigError, match="holds an input of this job"):
+        prepare_run_dir(owned, resume=False, inputs=input_paths(cfg))
+    assert inner.read_text() == "written by the run, then named as data"
+    assert data.read_text() == "the user's data"
+
+
+def test_the_reported_deletion_is_refused_through_the_cli(tmp_path, capsys):
+    """Issue 19's reproduction: a folder with notes.txt and the user's examples.parquet, which is also the
+    data file of the spec, run with --output that folder and --plan-only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ray_cluster_ft.cli import main
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("notes")
+    rows = pa.table({"prompt": [f"q{i}" for i in range(60)], "response": [f"a{i}" for i in range(60)]})
+    pq.write_table(rows, folder / "examples.parquet")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(json.dumps({"data": {"paths": [str(folder / "examples.parquet")]}}))
+    assert main(["run", str(spec), "--output", str(folder), "--plan-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds an input of this job" in err
+    assert pq.read_table(folder / "examples.parquet").equals(rows)
+    assert sorted(p.name for p in folder.iterdir()) == ["examples.parquet", "notes.txt"]
