@@ -11,7 +11,11 @@ tokens with a 64-token prompt where the shared data is absent), three computatio
       Kronecker projection, applied factor by factor: the explicit Kronecker matrix would hold k_out k_in x
       out x in numbers, 0.9 G per MLP matrix);
   (c) step: one plain training forward + backward with weight gradients of every parameter (Hugging Face
-      loss over the batch, no optimizer step).
+      loss over the batch, no optimizer step);
+  (d) last_layer: ``last_layer_features``, CluSTER's last-layer gradient proxy (``sketch.method: last_layer``;
+      Kim et al., arXiv 2609.12584): one inference-mode forward, no backward, no module settings. It is timed
+      once (not per sketch setting), interleaved with its own (c) on the same batches, and its ratio is to
+      that (c).
 
 for two sketch settings: every block (``last_blocks: null``) and ``last_blocks: 4``, every projection
 (q, k, v, o, gate, up, down), k_in = k_out = ``--k``, final dim ``--dim``. (a) and (c) are timed ``--repeats``
@@ -32,7 +36,8 @@ Usage::
     python bench/sketch_throughput.py --device cuda --out bench/results/sketch_throughput_cuda.json
 
 The table goes to stdout; the last line is one JSON object with ``sketch_over_step_all``,
-``sketch_over_step_last4``, ``exact_over_sketch`` (all blocks) and the rest, also written to ``--out``.
+``sketch_over_step_last4``, ``exact_over_sketch`` (all blocks), ``last_layer_ratio`` ((d) / (c)) and the rest,
+also written to ``--out``.
 """
 
 from __future__ import annotations
@@ -149,6 +154,22 @@ def make_batches(n_batches: int, batch: int, seq: int, tokenizer, seed: int = 0)
     return out, source
 
 
+def _time_last_layer(meter, last_layer, step, batches, repeats: int) -> dict:
+    """(d) and a fresh (c), interleaved per batch, the minimum of ``repeats`` kept per batch and summed:
+    ``seconds``, ``step_seconds``, ``ratio`` (= seconds / step_seconds) and ``peak_mib`` of (d)."""
+    meter(lambda: last_layer(batches[0]))  # warm-up: first-call allocations, kernel selection
+    tl = np.full((len(batches), repeats), np.inf)
+    ts = np.full((len(batches), repeats), np.inf)
+    peak = 0.0
+    for r in range(repeats):
+        for i, b in enumerate(batches):
+            _, tl[i, r], m = meter(lambda: last_layer(b))
+            peak = max(peak, m)
+            _, ts[i, r], _ = meter(lambda: step(b))
+    seconds, step_seconds = float(tl.min(axis=1).sum()), float(ts.min(axis=1).sum())
+    return {"seconds": seconds, "step_seconds": step_seconds, "ratio": seconds / step_seconds, "peak_mib": peak}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, default=2)
@@ -167,10 +188,16 @@ def main() -> None:
     _pin_mmap_threshold()
     import torch
 
-    from ray_cluster_ft.model import load_model, load_tokenizer
-    from ray_cluster_ft.features import make_projector, select_modules, sketch_batch, weight_gradients
+    from ray_cluster_ft.features import (
+        make_projector,
+        select_modules,
+        sketch_batch,
+        weight_gradients,
+    )
+    from ray_cluster_ft.features.last_layer import last_layer_features
     from ray_cluster_ft.features.projection import _finish
     from ray_cluster_ft.features.sketchers import _autocast
+    from ray_cluster_ft.model import load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -210,6 +237,10 @@ def main() -> None:
             model.eval()
         return loss.detach()
 
+    def last_layer(b):
+        with amp():
+            return last_layer_features(model, *b)[0]
+
     n_tok = sum(int(b[1].sum()) for b in batches)
     n_ex = sum(len(b[0]) for b in batches)
     results = {}
@@ -238,6 +269,8 @@ def main() -> None:
                          "examples_per_s": {k: n_ex / v for k, v in t.items()},
                          "tokens_per_s": {k: n_tok / v for k, v in t.items()},
                          "sketch_over_step": t["sketch"] / t["step"], "exact_over_sketch": t["exact"] / t["sketch"]}
+    ll = _time_last_layer(meter, last_layer, step, batches, args.repeats)
+    ll.update(examples_per_s=n_ex / ll["seconds"], tokens_per_s=n_tok / ll["seconds"])
     load_after = os.getloadavg()
 
     basis = "wall (CUDA synchronised)" if device.type == "cuda" else f"CPU process time, {args.threads} thread(s)"
@@ -254,6 +287,9 @@ def main() -> None:
             ratio = f"{r['exact_over_sketch']:.2f}" if comp == "exact" else ""
             print(f"| {name} | {r['modules']} | {label} | {r['seconds'][comp]:.2f} | {r['examples_per_s'][comp]:.3f} | "
                   f"{r['tokens_per_s'][comp]:.0f} | {r['peak_mib'][comp]:.0f} | {vs:.2f} | {ratio} |")
+    print(f"| - | - | (d) last-layer feature (CluSTER) | {ll['seconds']:.2f} | {ll['examples_per_s']:.3f} | "
+          f"{ll['tokens_per_s']:.0f} | {ll['peak_mib']:.0f} | {ll['ratio']:.2f} |  |")
+    print(f"(d) is timed against its own (c) run: {ll['step_seconds']:.2f} s")
     print("sketch vs exact, max relative difference: " +
           ", ".join(f"{k} {v['sketch_vs_exact_rel_err']:.1e}" for k, v in results.items()))
     summary = {
@@ -261,6 +297,11 @@ def main() -> None:
         "sketch_over_step_last4": round(results["last4"]["sketch_over_step"], 4),
         "exact_over_sketch": round(results["all"]["exact_over_sketch"], 4),
         "exact_over_sketch_last4": round(results["last4"]["exact_over_sketch"], 4),
+        "last_layer_ratio": round(ll["ratio"], 4),
+        "last_layer_over_sketch_last4": round(ll["seconds"] / results["last4"]["seconds"]["sketch"], 4),
+        "last_layer_examples_per_s": round(ll["examples_per_s"], 4),
+        "last_layer_tokens_per_s": round(ll["tokens_per_s"], 1),
+        "last_layer_peak_mib": round(ll["peak_mib"], 1),
         "device": device.type, "dtype": dt, "threads": args.threads, "time_basis": basis,
         "batches": args.batches, "batch": args.batch, "seq": args.seq, "k": args.k, "dim": args.dim,
         "data": source, "load_avg_1m_before": round(load_before[0], 2), "load_avg_1m_after": round(load_after[0], 2),

@@ -6,6 +6,13 @@ clustering of gradient features) with spherical k-means (Dhillon & Modha, "Conce
 large sparse text data using clustering", Machine Learning 2001): rows are L2-normalised, so the Euclidean
 k-means of scikit-learn on the unit sphere ranks points by cosine, and the centroids are renormalised afterwards.
 
+``clustering.algorithm: kmeans`` is the published method's own clustering instead (the CluSTER code,
+kaist-dmlab/CluSTER ``src/CluSTER/call_back.py``, ``_kmeans_prune_equalize_interleave``): plain Euclidean
+``KMeans(n_clusters=k, n_init=10, random_state=seed)`` on the vectors as given, distance = squared Euclidean
+distance to the centroid, and no small-cluster merging (the published method keeps its k clusters).
+``clustering.max_cluster_ratio`` is its soft cap (same file, ``kmeans_soft_cap_fit_predict``), see
+:func:`ray_cluster_ft.capped_kmeans.soft_cap_labels`.
+
 Everything here is a pure, deterministic function of its inputs and seed (no global state).
 """
 
@@ -15,10 +22,22 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 import numpy as np
 import scipy.sparse as sp
+
+from .capped_kmeans import (  # noqa: F401 - re-exported
+    _CHUNK_ROWS,
+    _as_matrix,
+    _capped,
+    _centre_distances,
+    _sq_distance,
+    _check_k,
+    _exact,
+    euclidean_kmeans,
+    soft_cap_labels,
+)
 
 __all__ = [
     "clustering_warning",
@@ -27,18 +46,27 @@ __all__ = [
     "ClusterResult",
     "auto_k",
     "spherical_kmeans",
+    "euclidean_kmeans",
+    "soft_cap_labels",
     "merge_small_clusters",
     "cluster_sketches",
 ]
+
 
 MINIBATCH_THRESHOLD = 50_000
 """Above this many rows :func:`spherical_kmeans` uses ``MiniBatchKMeans`` (full Lloyd passes over 10^6 rows
 cost minutes on a few cores; mini-batches keep the fit near-linear with a small constant)."""
 
+
 _AUTO_K_MAX = 100
+
+
 _RESTART_ROWS = 10_000
+
+
 _INIT_ROWS = 16_384  # rows sampled for the k-means++ initialisation
-_CHUNK_ROWS = 65_536  # rows per block when scoring against centroids: bounds the (rows x k) temporary
+
+
 _FIT_ROWS = 200_000
 """Above :data:`MINIBATCH_THRESHOLD`, ``MiniBatchKMeans`` is fitted on a seeded sample of at most this many rows
 and every row is then assigned to its most cosine-similar centroid (one chunked matrix product). With about 100
@@ -52,11 +80,15 @@ class ClusterResult:
 
     Attributes:
         labels: int32 (N,), cluster of each row, contiguous 0..k-1, every cluster non-empty.
-        dist: float32 (N,), cosine distance ``1 - cos(x_i, centroid[labels[i]])`` in [0, 2].
-        centroids: float32 (k, d), unit-norm centroids (the renormalised mean of each cluster's unit rows).
+        dist: float32 (N,), distance to the own centroid: ``spherical``: cosine distance
+            ``1 - cos(x_i, centroid[labels[i]])`` in [0, 2]; ``kmeans``: squared Euclidean distance.
+        centroids: float32 (k, d): ``spherical``: unit-norm centroids (the renormalised mean of each cluster's
+            unit rows); ``kmeans``: scikit-learn's centres.
         k: number of clusters after merging (``centroids.shape[0]``).
         n_merged_clusters: clusters smaller than ``min_cluster_size`` (or empty) that were dissolved into
-            their nearest surviving centroids.
+            their nearest surviving centroids (``kmeans``: empty clusters dropped).
+        algorithm: ``spherical`` or ``kmeans``.
+        cap: the soft cap on cluster sizes when ``max_cluster_ratio`` fired (:func:`soft_cap_labels`), else None.
     """
 
     labels: np.ndarray
@@ -64,6 +96,8 @@ class ClusterResult:
     centroids: np.ndarray
     k: int
     n_merged_clusters: int
+    algorithm: str = "spherical"
+    cap: Optional[int] = None
 
 
 def auto_k(n: int, world_size: int) -> int:
@@ -91,25 +125,6 @@ def auto_k(n: int, world_size: int) -> int:
         raise ValueError(f"auto_k: world_size must be a positive integer, got {world_size!r}")
     k = min(_AUTO_K_MAX, int(round(math.sqrt(n / 10.0))))
     return int(min(int(n), max(2 * int(world_size), k)))
-
-
-def _as_matrix(x, name: str = "x") -> np.ndarray:
-    """float32 C-contiguous (N, d) copy-if-needed of ``x``, validated."""
-    arr = np.asarray(x)
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D array (N, d), got shape {arr.shape}")
-    if arr.shape[0] == 0 or arr.shape[1] == 0:
-        raise ValueError(f"{name} is empty: shape {arr.shape}")
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"{name} must be numeric, got dtype {arr.dtype}")
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
-    finite = np.empty(arr.shape[0], dtype=bool)
-    for lo in range(0, arr.shape[0], _CHUNK_ROWS):  # chunked: a whole-matrix mask is 256 MiB at 10^6 x 256
-        finite[lo : lo + _CHUNK_ROWS] = np.isfinite(arr[lo : lo + _CHUNK_ROWS]).all(axis=1)
-    if not finite.all():
-        bad = np.flatnonzero(~finite)
-        raise ValueError(f"{name} has NaN or inf in {bad.size} rows (first: row {int(bad[0])})")
-    return arr
 
 
 def _row_norms(x: np.ndarray) -> np.ndarray:
@@ -202,13 +217,7 @@ def spherical_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
 
     arr = _as_matrix(x)
     n = arr.shape[0]
-    if isinstance(k, bool) or int(k) != k:
-        raise ValueError(f"k must be an integer, got {k!r}")
-    k = int(k)
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if k > n:
-        raise ValueError(f"k={k} clusters is more than the {n} rows to cluster")
+    k = _check_k(k, n)
     xn = _normalise_rows(arr)
 
     # k-means++ seeds come from a float64 sample: sklearn's own initialisation on float32 rows goes through a
@@ -329,38 +338,83 @@ def merge_small_clusters(x, labels, centroids, min_size: int) -> tuple[np.ndarra
 
 def cluster_sketches(
     x,
-    k: Union[int, Literal["auto"]] = "auto",
+    k: Union[int, Literal["auto", "world_size"]] = "auto",
     world_size: int = 1,
     seed: int = 0,
     min_cluster_size: int = 2,
+    algorithm: Literal["spherical", "kmeans"] = "spherical",
+    max_cluster_ratio: Optional[float] = None,
 ) -> ClusterResult:
-    """The Cluster stage: spherical k-means, then small clusters merged, centroids and distances recomputed.
+    """The Cluster stage: k-means, then small clusters merged (spherical only), the soft cap, distances.
+
+    ``spherical`` (default): :func:`spherical_kmeans`, clusters below ``min_cluster_size`` merged
+    (:func:`merge_small_clusters`), centroids recomputed after a merge. ``kmeans``: :func:`euclidean_kmeans`,
+    the published clustering; no merging (the published method keeps its k clusters; only empty clusters,
+    possible when x has fewer than k distinct rows, are dropped). With ``max_cluster_ratio`` and a largest
+    cluster above ``ratio * N / K``, points are reassigned by :func:`soft_cap_labels` (squared Euclidean for
+    ``kmeans``, cosine distance for ``spherical``), without refitting the centroids.
 
     Args:
-        x: (N, d) sketches (float; normalised internally).
-        k: clusters, or ``"auto"`` for :func:`auto_k` ``(N, world_size)``.
-        world_size: data-parallel ranks (only used by the ``auto`` rule).
+        x: (N, d) sketches (float; normalised internally for ``spherical``, used as given for ``kmeans``).
+        k: clusters; ``"auto"`` for :func:`auto_k` ``(N, world_size)``; ``"world_size"`` for ``world_size``.
+        world_size: data-parallel ranks.
         seed: k-means initialisation seed.
-        min_cluster_size: clusters below this size are dissolved (see :func:`merge_small_clusters`).
+        min_cluster_size: ``spherical``: clusters below this size are dissolved; unused by ``kmeans``.
+        algorithm: ``spherical`` or ``kmeans``.
+        max_cluster_ratio: the soft cap's factor (> 1), or None for no cap.
 
     Returns:
-        :class:`ClusterResult` with contiguous labels and distances to the final (post-merge) centroids.
+        :class:`ClusterResult` with contiguous labels and distances to the final centroids.
 
     Raises:
-        ValueError: as :func:`spherical_kmeans` and :func:`merge_small_clusters`; ``k`` neither int nor "auto".
+        ValueError: as :func:`spherical_kmeans`, :func:`euclidean_kmeans` and :func:`merge_small_clusters`;
+            ``k`` neither int, "auto" nor "world_size"; unknown algorithm; ``max_cluster_ratio <= 1``.
     """
-    if isinstance(k, str) and k != "auto":
-        raise ValueError(f"k must be a positive integer or 'auto', got {k!r}")
+    if algorithm not in ("spherical", "kmeans"):
+        raise ValueError(f"algorithm must be 'spherical' or 'kmeans', got {algorithm!r}")
+    if max_cluster_ratio is not None and not max_cluster_ratio > 1:
+        raise ValueError(f"max_cluster_ratio must be > 1 or None, got {max_cluster_ratio!r}")
+    if algorithm == "kmeans":
+        arr = _as_matrix(x)
+        labels, dist, centroids = euclidean_kmeans(arr, _resolve_k(k, arr.shape[0], world_size), seed)
+        labels, cap = _capped(arr, labels, centroids, max_cluster_ratio, "sqeuclidean")
+        if cap is not None:
+            dist = _sq_distance(arr, labels, centroids)
+        labels, centroids, n_empty = _drop_empty(labels, centroids)
+        return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=int(centroids.shape[0]),
+                             n_merged_clusters=n_empty, algorithm="kmeans", cap=cap)
     xn = _normalise_rows(_as_matrix(x))  # once: the calls below reuse these unit rows without copying
-    if k == "auto":
-        k = auto_k(xn.shape[0], world_size)
-    labels, _, centroids = spherical_kmeans(xn, k, seed)
+    labels, _, centroids = spherical_kmeans(xn, _resolve_k(k, xn.shape[0], world_size), seed)
     labels, n_merged = merge_small_clusters(xn, labels, centroids, min_cluster_size)
     k_final = int(labels.max()) + 1
     if n_merged:
         centroids, _ = _centroids_of(xn, labels, k_final)
+    labels, cap = _capped(xn, labels, centroids, max_cluster_ratio, "cosine")
     dist = _own_distance(xn, labels, centroids)
-    return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=k_final, n_merged_clusters=n_merged)
+    return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=k_final, n_merged_clusters=n_merged,
+                         cap=cap)
+
+
+def _resolve_k(k, n: int, world_size: int):
+    """``clustering.k`` as a number: ``auto`` by :func:`auto_k`, ``world_size`` the number of ranks."""
+    if k == "auto":
+        return auto_k(n, world_size)
+    if k == "world_size":
+        return int(world_size)
+    if isinstance(k, str):
+        raise ValueError(f"k must be a positive integer, 'auto' or 'world_size', got {k!r}")
+    return k
+
+
+def _drop_empty(labels: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Empty clusters removed, labels made contiguous again (the order of the others kept).
+
+    Returns (labels int32 (N,), centroids (k', d), number removed)."""
+    keep = np.bincount(labels, minlength=centroids.shape[0]) > 0
+    if keep.all():
+        return labels, centroids, 0
+    new_id = np.cumsum(keep) - 1
+    return new_id[labels].astype(np.int32), centroids[keep], int((~keep).sum())
 
 
 def clustering_warning(k: int, n_merged: int, world_size: int, min_cluster_size: int) -> str | None:
@@ -377,10 +431,12 @@ def clustering_warning(k: int, n_merged: int, world_size: int, min_cluster_size:
 
 def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, resume: bool = False) -> tuple:
     """The cluster stage's edge: :func:`cluster_sketches` on the features, ``clusters.parquet`` written
-    (``example_id``, ``cluster`` int32, ``distance`` float32 to the final centroid).
+    (``example_id``, ``cluster`` int32, ``distance`` float32 to the final centroid: ``1 - cos`` for
+    ``clustering.algorithm: spherical``, the squared Euclidean distance for ``kmeans``).
 
     Args:
-        cfg: the job config (``clustering`` section, ``train.num_workers`` for ``k: auto``).
+        cfg: the job config (``clustering`` section: ``k``, ``algorithm``, ``seed``, ``min_cluster_size``,
+            ``max_cluster_ratio``; ``train.num_workers`` for ``k: auto`` and ``k: world_size``).
         run_dir: the run directory.
         example_ids: str ``(N,)`` candidate ids, in the order of ``sketches``.
         sketches: float32 ``(N, d)``.
@@ -388,7 +444,8 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
 
     Returns:
         ``(ClusterResult, summary)``: the summary is the manifest's ``clustering`` entry (k, merged clusters,
-        sizes, and the :func:`clustering_warning` when there is one).
+        sizes, ``algorithm``, ``capped: true`` and ``cap`` when the soft cap fired, and the
+        :func:`clustering_warning` when there is one).
 
     Raises:
         ConfigError: (``resume``) the assignment changed.
@@ -400,14 +457,17 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
 
     c = cfg.clustering
     W = cfg.train.num_workers
-    res = cluster_sketches(sketches, c.k, W, c.seed, c.min_cluster_size)
+    res = cluster_sketches(sketches, c.k, W, c.seed, c.min_cluster_size, algorithm=c.algorithm,
+                           max_cluster_ratio=c.max_cluster_ratio)
     table = pa.table({"example_id": example_ids, "cluster": res.labels.astype(np.int32),
                       "distance": res.dist.astype(np.float32)})
     if resume:
         same_as_before(run_dir / "clusters.parquet", table, ["example_id", "cluster"])
     pq.write_table(table, claim(run_dir, "clusters.parquet"))
     summary = {"k": int(res.k), "merged_small_clusters": int(res.n_merged_clusters),
-               "sizes": np.bincount(res.labels).tolist()}
+               "sizes": np.bincount(res.labels).tolist(), "algorithm": res.algorithm}
+    if res.cap is not None:
+        summary.update(capped=True, cap=int(res.cap))
     warning = clustering_warning(res.k, res.n_merged_clusters, W, c.min_cluster_size)
     if warning:
         summary["warning"] = warning

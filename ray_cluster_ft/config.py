@@ -42,6 +42,8 @@ __all__ = [
     "load_config",
     "parse_config",
     "check_against_data",
+    "needs_clusters",
+    "PRESETS",
 ]
 
 
@@ -113,17 +115,23 @@ class ModelConfig(_Section):
 
 
 class SketchConfig(_Section):
-    """Per-example sketches (docs/design.md, "Features"): LoGra factorised gradient projection (Choe et al. 2024), or
-    sentence embeddings of the text as a model-free baseline.
+    """Per-example sketches (docs/design.md, "Features"): LoGra factorised gradient projection (Choe et al. 2024),
+    CluSTER's last-layer gradient proxy, or sentence embeddings of the text as a model-free baseline.
 
+    ``method: last_layer`` (Kim et al., EMNLP 2026, arXiv 2609.12584; its code's ``jvp_proxy_raw``): one
+    inference forward, the token mean of ``(p(y_t) - 1) h_t`` over response tokens (``features/last_layer.py``);
+    its size is the sketch model's hidden size, and ``modules``, ``last_blocks``, ``k_in``, ``k_out``, ``dim``
+    and ``seed`` are unused. Its shards hold the raw rows; the feature stage then L2-normalises each row when
+    ``train.num_workers > 1`` and subtracts the mean over all candidates when it is 1, as the published code.
     ``model`` names a (smaller) proxy model to sketch with, ``null`` = the trained model (Yin & Rush, ICLR
     2025: a model 10x smaller selects nearly as well). ``warmup_steps > 0`` first trains the sketch model for
     that many optimizer steps on a seeded random ``warmup_fraction`` of the candidates (LESS, Xia et al. 2024,
-    Sec. 4.1: base-model gradients select little better than random). ``dtype``: ``auto`` = bf16 autocast on
-    CUDA, fp32 on the CPU; ``float32`` = no autocast anywhere; ``bfloat16`` = bf16 autocast on either device.
+    Sec. 4.1: base-model gradients select little better than random); ``gradient`` and ``last_layer`` only.
+    ``dtype``: ``auto`` = bf16 autocast on CUDA, fp32 on the CPU; ``float32`` = no autocast anywhere;
+    ``bfloat16`` = bf16 autocast on either device.
     """
 
-    method: Literal["gradient", "embedding"] = "gradient"
+    method: Literal["gradient", "embedding", "last_layer"] = "gradient"
     model: str | None = Field(
         None,
         description="model to sketch with: null = the trained model; 'demo', a local folder or a hub id; for "
@@ -137,7 +145,8 @@ class SketchConfig(_Section):
     last_blocks: int | None = Field(4, ge=1, description="sketch only the last L transformer blocks; null = all")
     k_in: int = Field(16, ge=1)
     k_out: int = Field(16, ge=1)
-    dim: int = Field(256, ge=2, description="final gradient-sketch size (embeddings keep the encoder's size)")
+    dim: int = Field(256, ge=2, description="final gradient-sketch size (embeddings keep the encoder's size, "
+                     "last_layer the hidden size)")
     seed: int = _seed("projection seed")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     batch_size: int = Field(8, ge=1, description="examples per forward/backward")
@@ -151,25 +160,44 @@ class SketchConfig(_Section):
     @model_validator(mode="after")
     def _warmup_needs_gradients(self) -> "SketchConfig":
         if self.method == "embedding" and self.warmup_steps > 0:
-            raise ValueError("sketch.warmup_steps > 0 trains the sketch model: it needs sketch.method 'gradient'")
+            raise ValueError("sketch.warmup_steps > 0 trains the sketch model: it needs sketch.method 'gradient' "
+                             "or 'last_layer'")
         return self
 
 
 class ClusteringConfig(_Section):
-    """Spherical k-means on the sketches."""
+    """k-means on the sketches (:func:`ray_cluster_ft.clustering.cluster_sketches`).
 
-    k: Union[int, Literal["auto"]] = "auto"
+    ``k``: a whole number, ``auto`` (:func:`ray_cluster_ft.clustering.auto_k`) or ``world_size``
+    (= ``train.num_workers``, as the published CluSTER code). ``algorithm``: ``spherical`` (cosine, small
+    clusters merged) or ``kmeans`` (the published Euclidean ``KMeans(n_init=10)``, k clusters kept, no merging).
+    ``max_cluster_ratio``: the published soft cap (null = off): when the largest cluster holds more than
+    ratio * N / K points, points are reassigned under a cap of ceil(ratio * N / K) (cosine distance for
+    ``spherical``).
+    """
+
+    k: Union[int, Literal["auto", "world_size"]] = "auto"
     seed: int = _seed("k-means seed")
-    min_cluster_size: int = Field(2, ge=1, description="smaller clusters are merged into their nearest")
+    min_cluster_size: int = Field(2, ge=1, description="spherical only: smaller clusters are merged into their nearest")
+    algorithm: Literal["spherical", "kmeans"] = "spherical"
+    max_cluster_ratio: float | None = Field(
+        None, gt=1, description="soft cap on cluster sizes, ceil(ratio * N / K) points; null = off")
+
+    @field_validator("max_cluster_ratio", mode="before")
+    @classmethod
+    def _ratio_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML `true` would otherwise become 1.0
+            raise ValueError("clustering.max_cluster_ratio must be a number > 1 or null, not a boolean")
+        return v
 
     @field_validator("k", mode="before")
     @classmethod
     def _k_not_bool(cls, v: Any) -> Any:
         if isinstance(v, bool):  # YAML `true` would otherwise become k = 1
-            raise ValueError("clustering.k must be a whole number or 'auto', not a boolean")
-        if isinstance(v, str) and v != "auto" and not v.strip().lstrip("+-").isdigit():
+            raise ValueError("clustering.k must be a whole number, 'auto' or 'world_size', not a boolean")
+        if isinstance(v, str) and v not in ("auto", "world_size") and not v.strip().lstrip("+-").isdigit():
             # one message, not one per member of the int | 'auto' union
-            raise ValueError("must be a whole number or 'auto'")
+            raise ValueError("must be a whole number, 'auto' or 'world_size'")
         return v
 
     @field_validator("k")
@@ -181,13 +209,26 @@ class ClusteringConfig(_Section):
 
 
 class SelectionConfig(_Section):
-    """Which examples to train on: ``balanced`` (the method), ``random`` (same budget), ``full``."""
+    """Which examples to train on: ``balanced`` (water-filled quotas at ``budget``), ``equalize`` (the published
+    CluSTER selection: every cluster cut to floor(``ratio`` x smallest cluster), rounded down to a multiple of
+    ``train.micro_batch_size``; ``budget`` unused), ``random`` (same budget), ``full``. ``within`` orders the
+    members of a cluster for ``balanced`` and ``equalize``: ``kcenter``, ``strata``, ``peripheral`` (farthest
+    from the centroid first, the published default), ``central`` (nearest first), ``random`` (seeded).
+    See :func:`ray_cluster_ft.select.select`."""
 
-    strategy: Literal["balanced", "random", "full"] = "balanced"
+    strategy: Literal["balanced", "random", "full", "equalize"] = "balanced"
     budget: float = Field(0.31, gt=0, description="fraction in (0, 1], or a count of examples if > 1")
-    within: Literal["kcenter", "strata"] = "kcenter"
+    within: Literal["kcenter", "strata", "peripheral", "central", "random"] = "kcenter"
     dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates")
     seed: int = _seed("selection seed")
+    ratio: float = Field(0.5, gt=0, le=1.0, description="equalize only: share of the smallest cluster kept per cluster")
+
+    @field_validator("ratio", mode="before")
+    @classmethod
+    def _ratio_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML `true` would otherwise become 1.0
+            raise ValueError("selection.ratio must be a number in (0, 1], not a boolean")
+        return v
 
     @field_validator("budget", mode="before")
     @classmethod
@@ -209,7 +250,7 @@ class AllocationConfig(_Section):
     ``DistributedSampler``) or ``length`` (micro-batches of similar lengths, as ``group_by_length`` in other
     trainers; needs no sketches). See :func:`.allocate.make_plan`."""
 
-    strategy: Literal["cluster", "random", "length"] = "cluster"
+    strategy: Literal["cluster", "random", "length", "cluster_per_rank"] = "cluster"
     seed: int = _seed("allocation seed")
     pad_tolerance: float = Field(
         0.05, ge=0.0, le=1.0,
@@ -264,6 +305,10 @@ class TrainConfig(_Section):
         None, description="path to a DeepSpeed JSON merged over the generated config (its keys win)"
     )
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps; 0 = only at the end")
+    loss_weighting: Literal["cluster", "none"] | None = Field(
+        None, description="cluster: weigh each example's token losses by its selection weight (n_c/N)/(s_c/S), "
+                          "restoring every cluster's share of the data; none: weight 1; null = cluster for the "
+                          "balanced and equalize selections, none otherwise")
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = no limit")
 
     @model_validator(mode="after")
@@ -290,6 +335,16 @@ class EvaluationConfig(_Section):
     max_code: int = Field(8, ge=0, description="code problems generated and run at most (pass@1)")
     max_new_tokens: int = Field(128, ge=1, description="tokens generated per code problem (greedy)")
     time_limit_s: float = Field(5.0, gt=0, description="seconds each generated program may run with its tests")
+    paths: list[str] = Field(
+        default_factory=list,
+        description="extra held-out files (any data.paths format), scored before and after training, per file: "
+                    "loss, and MC accuracy or pass@1 where rows carry choices or tests; never sketched, selected "
+                    "or trained on")
+
+    @field_validator("paths")
+    @classmethod
+    def _expand_user(cls, v: list[str]) -> list[str]:
+        return [str(Path(x).expanduser()) for x in v]
 
 
 class OutputConfig(_Section):
@@ -299,9 +354,43 @@ class OutputConfig(_Section):
     save_model: bool = True
 
 
-class JobConfig(_Section):
-    """The whole job: one section per stage."""
+PRESETS: dict[str, dict] = {
+    # The published method as its official code runs it (kaist-dmlab/CluSTER, src/CluSTER/call_back.py):
+    # last-layer gradient proxy, KMeans with k = the number of GPUs and a 1.5 N/K soft cap, every cluster cut
+    # to half the smallest one keeping the points farthest from their centroid, rank r trains cluster r, and
+    # each rank's loss weighted back to its cluster's share of the data.
+    "cluster-paper": {
+        "sketch": {"method": "last_layer"},
+        "clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.5},
+        "selection": {"strategy": "equalize", "ratio": 0.5, "within": "peripheral"},
+        "allocation": {"strategy": "cluster_per_rank"},
+        "train": {"loss_weighting": "cluster"},
+    },
+}
+"""Named sets of keys a spec's ``preset:`` fills in; keys written in the spec override them."""
 
+
+def _with_preset(raw: dict) -> dict:
+    """``raw`` merged over its preset's keys (recursively, the spec's values win)."""
+    name = raw.get("preset")
+    if name is None or not isinstance(name, str) or name not in PRESETS:
+        return raw  # the Literal field reports an unknown or mistyped name
+
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+        return out
+
+    return merge(PRESETS[name], raw)
+
+
+class JobConfig(_Section):
+    """The whole job: one section per stage, and an optional ``preset`` (:data:`PRESETS`) whose keys the
+    spec's own keys override."""
+
+    preset: Literal["cluster-paper"] | None = Field(
+        None, description="fill in a published configuration: cluster-paper = the CluSTER paper's code")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     sketch: SketchConfig = Field(default_factory=SketchConfig)
@@ -313,8 +402,19 @@ class JobConfig(_Section):
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
+    def _resolve_loss_weighting(self) -> "JobConfig":
+        if self.train.loss_weighting is None:
+            balanced = self.selection.strategy in ("balanced", "equalize")
+            self.train.loss_weighting = "cluster" if balanced else "none"
+        return self
+
+    @model_validator(mode="after")
     def _clusters_for_every_rank(self) -> "JobConfig":
         k, w = self.clustering.k, self.train.num_workers
+        if self.allocation.strategy == "cluster_per_rank" and k != "world_size" and k != w:
+            raise ValueError(
+                f"allocation.strategy 'cluster_per_rank' trains cluster r on rank r: it needs clustering.k equal to "
+                f"train.num_workers={w} (or clustering.k: world_size), got clustering.k={k}")
         if (self.allocation.strategy == "cluster" and isinstance(k, int) and k < w
                 and not self.allocation.allow_shared_clusters):
             raise ValueError(
@@ -376,7 +476,7 @@ def parse_config(raw: dict | None) -> JobConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"invalid job config: the top level must be a mapping of sections, got {type(raw).__name__}")
     try:
-        return JobConfig.model_validate(raw)
+        return JobConfig.model_validate(_with_preset(raw))
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
 
@@ -437,6 +537,14 @@ def load_config(path: str | Path, overrides: dict | None = None) -> JobConfig:
     return parse_config(raw)
 
 
+def needs_clusters(cfg: JobConfig) -> bool:
+    """Whether the job clusters its candidates (and so computes features): the balanced and equalize
+    selections and the cluster allocations need clusters; ``random``/``full`` with ``random``/``length``
+    allocation do not."""
+    return cfg.selection.strategy in ("balanced", "equalize") or cfg.allocation.strategy in ("cluster",
+                                                                                             "cluster_per_rank")
+
+
 def budget_count(budget: float, n_accepted: int) -> int:
     """The number of examples a budget asks for: ``round(budget * n)`` for a fraction in (0, 1], else the count."""
     if budget <= 1:
@@ -464,7 +572,7 @@ def check_against_data(cfg: JobConfig, n_train: int, n_read: int | None = None) 
     b = cfg.selection.budget
     if cfg.selection.strategy != "full" and b > 1 and b > n_train:
         raise ConfigError(f"selection.budget={int(b)} is above the {n_train} accepted training examples")
-    clusters = cfg.selection.strategy == "balanced" or cfg.allocation.strategy == "cluster"
+    clusters = needs_clusters(cfg)
     if clusters and isinstance(cfg.clustering.k, int) and cfg.clustering.k > n_train:
         raise ConfigError(f"clustering.k={cfg.clustering.k} is above the {n_train} accepted training examples")
     n_sel = n_train if cfg.selection.strategy == "full" else budget_count(b, n_train)

@@ -55,7 +55,7 @@ def versions() -> dict:
 
 
 def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, data, selection, allocation,
-                   tres=None, eval_before: dict | None = None, eval_after: dict | None = None) -> dict:
+                   tres=None, scores: dict | None = None) -> dict:
     """Fill ``manifest`` with counts, budget, checks, evaluation, training figures, seeds, versions and timings;
     write ``manifest.json``.
 
@@ -67,12 +67,15 @@ def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, dat
         selection: the select stage's :class:`~ray_cluster_ft.select.SelectionStage`.
         allocation: the allocation stage's :class:`~ray_cluster_ft.allocate.AllocationStage`.
         tres: the :class:`~ray_cluster_ft.train.TrainResult`, or ``None`` (plan only).
+        scores: held-out metrics ``before``/``after`` training, and per ``evaluation.paths`` file
+            ``files_before``/``files_after`` (``{path: metrics}``); ``{}`` for a plan-only run.
 
     Returns:
         The manifest; ``checks`` holds :func:`ray_cluster_ft.train.verify_trained` of the trained log.
     """
     from .train import verify_trained
 
+    scores = scores or {}
     if tres is not None:
         check = verify_trained(allocation.plan, pd.read_parquet(run_dir / "trained.parquet"))
     else:
@@ -99,7 +102,8 @@ def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, dat
         },
         budget={"requested": requested, "planned": n_sel, "rounded_down_by": dropped},
         checks=check,
-        eval={"before": eval_before or {}, "after": eval_after or {}},
+        eval={"before": scores.get("before") or {}, "after": scores.get("after") or {}},
+        eval_files=_eval_files(data, scores),
         train=None if tres is None else {
             "steps": tres.steps, "seconds": tres.seconds, "final_loss": tres.final_loss,
             "final_model": str(tres.final_model_dir) if tres.final_model_dir else None,
@@ -113,3 +117,17 @@ def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, dat
     manifest["timings_s"] = timer.timings
     (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=float))
     return manifest
+
+
+def _eval_files(data, scores: dict) -> dict:
+    """Per ``evaluation.paths`` file: rows read, scored and rejected, rows that are also training candidates
+    (same content hash: the file overlaps the training data), and the scores before and after training."""
+    train_ids = set(data.result.train.column("example_id").to_pylist())
+    out = {}
+    for path, res in data.eval_files.items():
+        ids = res.train.column("example_id").to_pylist()
+        out[path] = {"read": res.n_read, "scored": len(ids), "rejected": len(res.rejected),
+                     "overlap_with_candidates": len(train_ids.intersection(ids)),
+                     "before": scores.get("files_before", {}).get(path, {}),
+                     "after": scores.get("files_after", {}).get(path, {})}
+    return out

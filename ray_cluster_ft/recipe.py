@@ -15,18 +15,12 @@ import pandas as pd
 
 from . import allocate, clustering, data, evaluate, features, select, train
 from ._ray import check_local_resources, init_ray
-from .config import JobConfig, check_against_data
+from .config import JobConfig, check_against_data, needs_clusters
 from .manifest import StageTimer, write_manifest
 from .model import check_module_patterns
 from .rundir import claim, input_paths, prepare_run_dir, write_spec
 
-__all__ = ["needs_clusters", "run_pipeline"]
-
-
-def needs_clusters(cfg: JobConfig) -> bool:
-    """Whether the job clusters its candidates (and so computes features): the balanced selection or the
-    cluster allocation needs them; ``random``/``full`` with ``random``/``length`` allocation does not."""
-    return cfg.selection.strategy == "balanced" or cfg.allocation.strategy == "cluster"
+__all__ = ["run_pipeline"]
 
 
 def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = False, resume: bool = False,
@@ -93,7 +87,7 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         manifest["plan_metrics"] = alloc.metrics
         tres, scores = None, {}
         if not plan_only:
-            tres, scores = _evaluate_and_train(cfg, run_dir, ds, alloc.plan, timer, evaluator, resume)
+            tres, scores = _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume)
     except KeyboardInterrupt:
         started_ray = True  # on a joined cluster too: the driver's actors and workers must stop now
         raise
@@ -105,7 +99,7 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     return _finish(run_dir, cfg, manifest, timer, ds, sel, alloc, labels, tres, scores)
 
 
-def _evaluate_and_train(cfg, run_dir, ds, plan, timer, evaluator, resume) -> tuple:
+def _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume) -> tuple:
     """Held-out scores of the base model, training, and held-out scores of the trained model."""
     evaluator = evaluator or evaluate.ray_evaluator(cfg, ds.pad_token_id)
     held = ds.result.eval
@@ -114,13 +108,15 @@ def _evaluate_and_train(cfg, run_dir, ds, plan, timer, evaluator, resume) -> tup
     with timer.stage("evaluate_before"):
         before = evaluate.run(cfg, run_dir, evaluate.EvaluationInputs(ds.model_path, held, tasks, "before",
                                                                        evaluator, resume))
+        files_before = evaluate.run_files(cfg, run_dir, ds.eval_files, ds.model_path, "before", evaluator)
     with timer.stage("train"):
-        tres = train.run(cfg, run_dir, plan=plan, candidates=ds.result.train, model_path=ds.model_path,
-                         pad_token_id=ds.pad_token_id, resume=resume)
+        tres = train.run(cfg, run_dir, plan=alloc.plan, candidates=ds.result.train, model_path=ds.model_path,
+                         pad_token_id=ds.pad_token_id, weights=alloc.weights, resume=resume)
     with timer.stage("evaluate_after"):
         final = str(tres.final_model_dir) if tres.final_model_dir else None
         after = evaluate.run(cfg, run_dir, evaluate.EvaluationInputs(final, held, tasks, "after", evaluator))
-    return tres, {"before": before, "after": after}
+        files_after = evaluate.run_files(cfg, run_dir, ds.eval_files, final, "after", evaluator)
+    return tres, {"before": before, "after": after, "files_before": files_before, "files_after": files_after}
 
 
 def _finish(run_dir, cfg, manifest, timer, ds, sel, alloc, labels, tres, scores) -> dict:
@@ -129,7 +125,7 @@ def _finish(run_dir, cfg, manifest, timer, ds, sel, alloc, labels, tres, scores)
 
     claim(run_dir, "manifest.json", "report.md", *FIGURES)
     manifest = write_manifest(run_dir, cfg, manifest, timer, data=ds, selection=sel, allocation=alloc, tres=tres,
-                              eval_before=scores.get("before"), eval_after=scores.get("after"))
+                              scores=scores)
     write_report(run_dir, manifest, alloc.plan, labels, np.asarray(sel.result.indices), baseline_plan=alloc.baseline)
     check = manifest["checks"]
     if tres is not None and not (check["matches_plan"] and check["once_per_epoch"]):

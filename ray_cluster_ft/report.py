@@ -159,6 +159,19 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
                       "Per item (predictions, completions, test output): `eval_before_samples.jsonl`, "
                       "`eval_after_samples.jsonl`.", ""]
 
+    files = manifest.get("eval_files") or {}
+    if files:
+        rows = []
+        for path, f in files.items():
+            b, a = f["before"].get("all", {}), f["after"].get("all", {})
+            rows.append([Path(path).name, f["scored"], f["rejected"], f["overlap_with_candidates"],
+                         b.get("loss", float("nan")), a.get("loss", float("nan")),
+                         b.get("mc_accuracy", ""), a.get("mc_accuracy", ""), b.get("pass_at_1", ""),
+                         a.get("pass_at_1", "")])
+        lines += ["## Extra held-out files (`evaluation.paths`)", "",
+                  _table(["file", "scored", "rejected", "also candidates", "loss before", "loss after",
+                          "MC before", "MC after", "pass@1 before", "pass@1 after"], rows), ""]
+
     pm = manifest.get("plan_metrics", {})
     if pm:
         keys = list(next(iter(pm.values())).keys())

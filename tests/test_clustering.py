@@ -130,3 +130,165 @@ def test_cluster_sketches_auto_k():
     assert res.k == auto_k(800, 2) == 9
     with pytest.raises(ValueError, match="auto"):
         cluster_sketches(x, k="many")
+
+
+# --- the published clustering: Euclidean k-means, k = world size, the soft cap ----------------------------------
+
+
+def _published_soft_cap(x, centroids, ratio, metric="sqeuclidean", topk=8):
+    """Brute-force reference: the sequential loops of the published kmeans_soft_cap_fit_predict
+    (kaist-dmlab/CluSTER src/CluSTER/call_back.py), one pair at a time, on the same distance matrix."""
+    from fractions import Fraction
+
+    n, k = x.shape[0], centroids.shape[0]
+    cap = -(-Fraction(repr(ratio)) * n // k)  # ceil(ratio * n / k) on the decimal ratio
+    dmat = clustering._centre_distances(np.asarray(x, np.float32), np.asarray(centroids, np.float32), metric)
+    t = min(topk, k)
+    nn_idx = np.argsort(dmat, axis=1, kind="stable")[:, :t]
+    nn_dist = np.take_along_axis(dmat, nn_idx, axis=1)
+    pairs_i, pairs_r = np.repeat(np.arange(n), t), np.tile(np.arange(t), n)
+    order = np.argsort(nn_dist[pairs_i, pairs_r], kind="mergesort")
+    labels, counts = -np.ones(n, dtype=int), np.zeros(k, dtype=int)
+    for i, r in zip(pairs_i[order], pairs_r[order]):
+        j = nn_idx[i, r]
+        if labels[i] == -1 and counts[j] < cap:
+            labels[i], counts[j] = j, counts[j] + 1
+    for i in np.flatnonzero(labels == -1):
+        for j in np.argsort(dmat[i], kind="stable"):
+            if counts[j] < cap:
+                labels[i], counts[j] = j, counts[j] + 1
+                break
+    return labels, cap
+
+
+def test_kmeans_path_equals_sklearn_and_keeps_small_clusters():
+    from sklearn.cluster import KMeans
+
+    x, _ = planted_blobs(n_centres=4, per=40, d=8, seed=6)
+    x = np.concatenate([x, np.full((1, 8), 50.0, dtype=np.float32)])  # an outlier: its own cluster at k=5
+    res = cluster_sketches(x, k=5, seed=3, min_cluster_size=3, algorithm="kmeans")
+    km = KMeans(n_clusters=5, n_init=10, random_state=3).fit(x)
+    np.testing.assert_array_equal(res.labels, km.labels_)
+    np.testing.assert_array_equal(res.centroids, km.cluster_centers_.astype(np.float32))
+    expect = np.sum((x - km.cluster_centers_[km.labels_].astype(np.float32)) ** 2, axis=1)
+    np.testing.assert_allclose(res.dist, expect, rtol=1e-5)
+    assert res.labels.dtype == np.int32 and res.dist.dtype == np.float32
+    # The published method keeps its k clusters: the singleton is not merged despite min_cluster_size=3.
+    assert (res.k, res.n_merged_clusters, res.algorithm, res.cap) == (5, 0, "kmeans", None)
+    assert np.bincount(res.labels).min() == 1
+
+
+def test_soft_cap_on_a_lopsided_input_by_hand():
+    # Centroids at (0,0), (10,0), (0,10); 20 points on the x axis near the first, 2 near each other one.
+    # cap = ceil(1.5 * 24 / 3) = 12: the 12 points nearest (0,0) keep it, the other 8 take their second
+    # choice (10,0) when their pair comes up; the small clusters keep their own points.
+    line = np.stack([0.1 * np.arange(20), np.zeros(20)], axis=1)
+    x = np.concatenate([line, [[10, 0.5], [10, -0.5], [0.5, 10], [-0.5, 10]]]).astype(np.float32)
+    c = np.array([[0, 0], [10, 0], [0, 10]], dtype=np.float32)
+    labels, cap = clustering.soft_cap_labels(x, c, 1.5)
+    assert cap == 12
+    np.testing.assert_array_equal(labels, [0] * 12 + [1] * 8 + [1, 1, 2, 2])
+    assert labels.dtype == np.int32
+    np.testing.assert_array_equal(labels, _published_soft_cap(x, c, 1.5)[0])
+
+
+@pytest.mark.parametrize("metric", ["sqeuclidean", "cosine"])
+def test_soft_cap_matches_the_published_loop(metric):
+    rng = np.random.default_rng(11)
+    for trial in range(25):
+        n, k, d = int(rng.integers(10, 150)), int(rng.integers(2, 14)), int(rng.integers(2, 5))
+        x = rng.normal(size=(n, d))
+        x[: n // 2] = 0.1 * x[: n // 2] + 2.0  # one crowded region
+        if trial % 3 == 0:
+            x = np.round(x)  # exact ties between pairs
+        c = rng.normal(size=(k, d))
+        if metric == "cosine":
+            x = x + 1e-3  # no zero rows
+            x /= np.linalg.norm(x, axis=1, keepdims=True)
+            c /= np.linalg.norm(c, axis=1, keepdims=True)
+        ratio = float(rng.choice([1.01, 1.2, 1.5, 3.0]))
+        topk = int(rng.integers(1, 9))  # small topk forces the full-search fallback
+        got, cap = clustering.soft_cap_labels(x.astype(np.float32), c.astype(np.float32), ratio, metric, topk)
+        want, want_cap = _published_soft_cap(x, c, ratio, metric, topk)
+        assert cap == want_cap
+        np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
+        assert np.bincount(got, minlength=k).max() <= cap
+
+
+def test_kmeans_with_cap_is_kmeans_then_the_cap():
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.normal(size=(300, 4)), rng.normal(size=(40, 4)) + 8]).astype(np.float32)
+    res = cluster_sketches(x, k=4, seed=1, algorithm="kmeans", max_cluster_ratio=1.2)
+    labels0, _, centres = clustering.euclidean_kmeans(x, 4, seed=1)
+    assert np.bincount(labels0).max() > 1.2 * 340 / 4  # the cap fired
+    want, cap = clustering.soft_cap_labels(x, centres, 1.2)
+    assert res.cap == cap == 102
+    np.testing.assert_array_equal(res.labels, want)
+    np.testing.assert_array_equal(res.centroids, centres)  # not refitted
+    np.testing.assert_allclose(res.dist, np.sum((x - centres[want]) ** 2, axis=1), rtol=1e-5)
+    assert np.bincount(res.labels).max() <= cap
+
+
+def test_spherical_cap_uses_cosine_and_fires_only_when_needed():
+    x, _ = planted_blobs(n_centres=4, per=30, d=16, seed=8)
+    big, _ = planted_blobs(n_centres=1, per=200, d=16, seed=9)
+    xs = np.concatenate([x, big])
+    plain = cluster_sketches(xs, k=4, seed=0, min_cluster_size=1)
+    capped = cluster_sketches(xs, k=4, seed=0, min_cluster_size=1, max_cluster_ratio=1.2)
+    assert plain.cap is None and np.bincount(plain.labels).max() > 1.2 * xs.shape[0] / 4
+    assert capped.cap == -(-12 * xs.shape[0] // 40)  # ceil(1.2 * N / 4)
+    assert np.bincount(capped.labels).max() <= capped.cap
+    np.testing.assert_array_equal(capped.centroids, plain.centroids)
+    xn = xs / np.linalg.norm(xs, axis=1, keepdims=True)
+    want, _ = clustering.soft_cap_labels(xn, plain.centroids, 1.2, "cosine")
+    np.testing.assert_array_equal(capped.labels, want)
+    np.testing.assert_allclose(capped.dist, 1.0 - np.sum(xn * plain.centroids[want], axis=1), atol=1e-5)
+    # A loose cap that nothing exceeds changes nothing.
+    loose = cluster_sketches(xs, k=4, seed=0, min_cluster_size=1, max_cluster_ratio=10.0)
+    assert loose.cap is None
+    np.testing.assert_array_equal(loose.labels, plain.labels)
+    np.testing.assert_array_equal(loose.dist, plain.dist)
+
+
+def test_new_clustering_arguments_are_checked():
+    x, _ = planted_blobs(n_centres=2, per=10, d=4)
+    with pytest.raises(ValueError, match="algorithm"):
+        cluster_sketches(x, k=2, algorithm="dbscan")
+    with pytest.raises(ValueError, match="max_cluster_ratio"):
+        cluster_sketches(x, k=2, max_cluster_ratio=1.0)
+    with pytest.raises(ValueError, match="ratio"):
+        clustering.soft_cap_labels(x, x[:2], 0.5)
+    assert cluster_sketches(x, k="world_size", world_size=3, min_cluster_size=1).k == 3
+
+
+def _stage(tmp_path, raw):
+    from ray_cluster_ft.config import parse_config
+    from ray_cluster_ft.rundir import prepare_run_dir
+
+    prepare_run_dir(tmp_path / "run", resume=False)
+    return parse_config(raw), tmp_path / "run"
+
+
+def test_run_resolves_world_size_and_reports_the_algorithm(tmp_path):
+    import pyarrow.parquet as pq
+
+    x, _ = planted_blobs(n_centres=3, per=20, d=8, seed=1)
+    ids = np.asarray([f"id{i}" for i in range(x.shape[0])])
+    cfg, run_dir = _stage(tmp_path, {"clustering": {"k": "world_size"}, "train": {"num_workers": 3}})
+    res, summary = clustering.run(cfg, run_dir, example_ids=ids, sketches=x)
+    assert res.k == summary["k"] == 3 and summary["algorithm"] == "spherical"
+    assert "capped" not in summary and "cap" not in summary
+    table = pq.read_table(run_dir / "clusters.parquet")
+    np.testing.assert_array_equal(table.column("cluster").to_numpy(), res.labels)
+
+
+def test_run_reports_the_cap(tmp_path):
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.normal(size=(90, 4)), rng.normal(size=(10, 4)) + 9]).astype(np.float32)
+    ids = np.asarray([f"id{i}" for i in range(100)])
+    cfg, run_dir = _stage(tmp_path, {"clustering": {"k": "world_size", "algorithm": "kmeans",
+                                                    "max_cluster_ratio": 1.1},
+                                     "train": {"num_workers": 2}})
+    res, summary = clustering.run(cfg, run_dir, example_ids=ids, sketches=x)
+    assert summary["algorithm"] == "kmeans" and summary["capped"] is True and summary["cap"] == 55
+    assert max(summary["sizes"]) <= 55 and sum(summary["sizes"]) == 100

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from ray_cluster_ft.cli import demo_config_path
@@ -29,7 +31,7 @@ def test_jobs_demo_is_the_packaged_demo():
         ({"selection": {"budget": 2.5}}, "a count must be whole"),
         ({"selection": {"strategy": "best"}}, "selection.strategy"),
         ({"clustering": {"k": 0}}, "clustering.k"),
-        ({"clustering": {"k": "automatic"}}, "clustering.k: must be a whole number or 'auto' (got 'automatic')"),
+        ({"clustering": {"k": "automatic"}}, "clustering.k: must be a whole number, 'auto' or 'world_size' (got 'automatic')"),
         ({"selection": {"budget": 1.5}}, "selection.budget: a fraction must be in (0, 1], a count must be whole"),
         ({"sketch": {"modules": []}}, "sketch.modules: List should have at least 1 item"),
         ({"train": {"epochs": 10**12}}, "train.epochs: Input should be less than or equal to 1000"),
@@ -178,3 +180,86 @@ def test_fewer_clusters_than_ranks_is_refused_for_the_cluster_allocation():
     assert parse_config({"clustering": {"k": 1}, "allocation": {"strategy": "random"}}).clustering.k == 1
     assert parse_config({"clustering": {"k": 2}}).clustering.k == 2
     assert parse_config({"clustering": {"k": "auto"}, "train": {"num_workers": 8}}).clustering.k == "auto"
+
+
+def test_loss_weighting_defaults_to_cluster_for_the_balanced_selections():
+    assert parse_config({}).train.loss_weighting == "cluster"
+    assert parse_config({"selection": {"strategy": "random"}}).train.loss_weighting == "none"
+    assert parse_config({"selection": {"strategy": "full"}}).train.loss_weighting == "none"
+    assert parse_config({"train": {"loss_weighting": "none"}}).train.loss_weighting == "none"
+    assert parse_config({"selection": {"strategy": "random"}, "train": {"loss_weighting": "cluster"}}
+                        ).train.loss_weighting == "cluster"
+    with pytest.raises(ConfigError, match="train.loss_weighting: Input should be 'cluster' or 'none'"):
+        parse_config({"train": {"loss_weighting": "tokens"}})
+
+
+def test_cluster_per_rank_needs_as_many_clusters_as_ranks():
+    with pytest.raises(ConfigError, match=r"'cluster_per_rank' .* needs clustering.k equal to "
+                                          r"train.num_workers=2 .* got clustering.k=auto"):
+        parse_config({"allocation": {"strategy": "cluster_per_rank"}})
+    with pytest.raises(ConfigError, match="train.num_workers=4 .* got clustering.k=3"):
+        parse_config({"allocation": {"strategy": "cluster_per_rank"}, "clustering": {"k": 3},
+                      "train": {"num_workers": 4}})
+    assert parse_config({"allocation": {"strategy": "cluster_per_rank"}, "clustering": {"k": 2}}).clustering.k == 2
+
+
+# --- the published CluSTER options: clustering.k world_size, algorithm, max_cluster_ratio, selection.ratio ------
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"selection": {"ratio": 0}}, "selection.ratio: Input should be greater than 0 (got 0)"),
+        ({"selection": {"ratio": 1.5}}, "selection.ratio: Input should be less than or equal to 1 (got 1.5)"),
+        ({"selection": {"ratio": True}}, "selection.ratio: selection.ratio must be a number in (0, 1]"),
+        ({"selection": {"within": "farthest"}}, "selection.within: Input should be"),
+        ({"clustering": {"max_cluster_ratio": 1}}, "clustering.max_cluster_ratio: Input should be greater than 1"),
+        ({"clustering": {"max_cluster_ratio": 0.5}}, "clustering.max_cluster_ratio: Input should be greater than 1"),
+        ({"clustering": {"max_cluster_ratio": True}}, "clustering.max_cluster_ratio: clustering.max_cluster_ratio must"),
+        ({"clustering": {"algorithm": "dbscan"}},
+         "clustering.algorithm: Input should be 'spherical' or 'kmeans' (got 'dbscan')"),
+        ({"clustering": {"k": "worldsize"}}, "clustering.k: must be a whole number, 'auto' or 'world_size'"),
+    ],
+)
+def test_published_options_name_the_key(raw, needle):
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    assert needle in str(err.value)
+
+
+def test_published_options_parse():
+    cfg = parse_config({})
+    assert (cfg.clustering.algorithm, cfg.clustering.max_cluster_ratio, cfg.selection.ratio) == ("spherical", None, 0.5)
+    cfg = parse_config({"clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.5},
+                        "selection": {"strategy": "equalize", "ratio": 1, "within": "peripheral"},
+                        "train": {"num_workers": 4}})
+    assert cfg.clustering.k == "world_size" and cfg.clustering.max_cluster_ratio == 1.5
+    assert (cfg.selection.strategy, cfg.selection.ratio, cfg.selection.within) == ("equalize", 1.0, "peripheral")
+    for within in ("kcenter", "strata", "central", "random"):
+        assert parse_config({"selection": {"within": within}}).selection.within == within
+    # ints, 'auto' and booleans behave as before
+    assert parse_config({"clustering": {"k": "12"}}).clustering.k == 12
+    with pytest.raises(ConfigError, match="not a boolean"):
+        parse_config({"clustering": {"k": True}})
+
+
+def test_preset_cluster_paper_fills_the_published_configuration_and_spec_keys_win(tmp_path, capsys):
+    from ray_cluster_ft.cli import main
+
+    cfg = parse_config({"preset": "cluster-paper"})
+    assert (cfg.sketch.method, cfg.clustering.k, cfg.clustering.algorithm, cfg.clustering.max_cluster_ratio) == \
+        ("last_layer", "world_size", "kmeans", 1.5)
+    assert (cfg.selection.strategy, cfg.selection.ratio, cfg.selection.within) == ("equalize", 0.5, "peripheral")
+    assert (cfg.allocation.strategy, cfg.train.loss_weighting) == ("cluster_per_rank", "cluster")
+    mine = parse_config({"preset": "cluster-paper", "selection": {"ratio": 0.75},
+                         "clustering": {"seed": 3}, "train": {"loss_weighting": "none"}})
+    assert (mine.selection.ratio, mine.selection.within, mine.clustering.seed, mine.clustering.algorithm,
+            mine.train.loss_weighting) == (0.75, "peripheral", 3, "kmeans", "none")
+    with pytest.raises(ConfigError, match="preset: Input should be 'cluster-paper'"):
+        parse_config({"preset": "paper"})
+    spec = tmp_path / "paper.yaml"
+    spec.write_text("preset: cluster-paper\nselection:\n  ratio: 1.0\n")
+    assert main(["check", str(spec)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["preset"] == "cluster-paper" and printed["selection"]["strategy"] == "equalize"
+    assert printed["selection"]["ratio"] == 1.0 and printed["allocation"]["strategy"] == "cluster_per_rank"

@@ -1,6 +1,7 @@
 """The whole job end to end on a local Ray: tiny model, two DeepSpeed workers (ZeRO-2), real demo data."""
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -22,8 +23,12 @@ def _config(tiny_model_dir, out):
         "allocation": {"strategy": "cluster"},
         "train": {"num_workers": 2, "zero_stage": 2, "micro_batch_size": 2, "grad_accum": 2, "epochs": 2,
                   "lr": 1e-3},
+        "evaluation": {"paths": [str(EVAL_FILE)], "max_new_tokens": 16},
         "output": {"dir": str(out)},
     })
+
+
+EVAL_FILE = Path(__file__).parent / "fixtures" / "mbpp_test_6.jsonl"  # MBPP test-split tasks, with their tests
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +97,27 @@ def test_final_model_loads_and_eval_ran(run):
         assert len(recs) == allv.get("mc_items", 0) + allv.get("code_problems", 0)
         assert sum(r["status"] == "passed" for r in recs if r["kind"] == "code") == \
             round(allv.get("pass_at_1", 0) * allv.get("code_problems", 0))
+
+
+def test_extra_eval_files_are_scored_and_never_trained(run):
+    out, m = run
+    f = m["eval_files"][str(EVAL_FILE)]
+    assert (f["read"], f["scored"], f["rejected"], f["overlap_with_candidates"]) == (6, 6, 0, 0)
+    for when in ("before", "after"):
+        allv = f[when]["all"]
+        assert allv["examples"] == 6 and allv["loss"] > 0 and allv["code_problems"] == 6
+        recs = [json.loads(x) for x in (out / f"eval_{when}_file0_samples.jsonl").read_text().splitlines()]
+        assert len(recs) == 6 and {r["kind"] for r in recs} == {"code"}
+    assert f["before"]["all"]["loss"] != f["after"]["all"]["loss"]
+    # none of its rows reached the candidates (so no sketch, selection or plan)
+    from ray_cluster_ft.data import canonicalize, example_id
+
+    eval_ids = {example_id(canonicalize(json.loads(x))) for x in EVAL_FILE.read_text().splitlines()}
+    assert len(eval_ids) == 6
+    assert not eval_ids & set(pd.read_parquet(out / "examples.parquet")["example_id"])
+    assert not eval_ids & set(pd.read_parquet(out / "plan.parquet")["example_id"])
+    assert "## Extra held-out files (`evaluation.paths`)" in (out / "report.md").read_text()
+    assert "| mbpp_test_6.jsonl | 6 | 0 | 0 |" in (out / "report.md").read_text()
 
 
 def test_verify_trained_catches_a_swap():

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_cluster_ft import select as sel
+from ray_cluster_ft import select_within as within  # holds the block sizes the tests shrink
 from ray_cluster_ft.select import select, select_within, water_fill_quotas
 
 
@@ -77,7 +78,7 @@ def test_kcenter_picks_far_points():
 
 
 def test_kcenter_matches_plain_traversal(monkeypatch):
-    monkeypatch.setattr(sel, "_KCENTER_BLOCK", 1024)  # one block: the plain traversal, pick for pick
+    monkeypatch.setattr(within, "_KCENTER_BLOCK", 1024)  # one block: the plain traversal, pick for pick
     rng = np.random.default_rng(4)
     centres = rng.normal(size=(5, 16))
     x = (centres[rng.integers(0, 5, 600)] + 0.3 * rng.normal(size=(600, 16))).astype(np.float32)
@@ -97,7 +98,7 @@ def test_kcenter_matches_plain_traversal(monkeypatch):
 def test_kcenter_blocks_cover_every_region(monkeypatch):
     # Force the block path (clusters above 100 rows) on 6 tight, well separated groups of 100 rows: with a
     # quota of 12, every group must get picks, in proportion, and each block starts near the centroid.
-    monkeypatch.setattr(sel, "_KCENTER_BLOCK", 100)
+    monkeypatch.setattr(within, "_KCENTER_BLOCK", 100)
     rng = np.random.default_rng(5)
     centres = np.linalg.qr(rng.normal(size=(16, 6)))[0].T  # orthonormal
     group = np.repeat(np.arange(6), 100)
@@ -142,14 +143,14 @@ def test_dedup_drops_exact_duplicate():
 
 
 def test_greedy_dedup_matches_brute_force_across_chunks(monkeypatch):
-    monkeypatch.setattr(sel, "_DEDUP_CHUNK", 16)
-    monkeypatch.setattr(sel, "_DEDUP_KEPT_BLOCK", 8)
+    monkeypatch.setattr(within, "_DEDUP_CHUNK", 16)
+    monkeypatch.setattr(within, "_DEDUP_KEPT_BLOCK", 8)
     rng = np.random.default_rng(1)
     base = rng.normal(size=(60, 12))
     x = np.concatenate([base, base[rng.integers(0, 60, 90)] + 0.01 * rng.normal(size=(90, 12))])
     xn = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
     order = rng.permutation(xn.shape[0])
-    got = sel._near_duplicate_keep(xn, order, 0.99)
+    got = within._near_duplicate_keep(xn, order, 0.99)
     expect = np.zeros(xn.shape[0], dtype=bool)
     kept = []
     for i in order:
@@ -264,3 +265,145 @@ def test_large_cluster_is_fast():
     elapsed = time.perf_counter() - t0
     assert idx.size == idx_k.size == 500
     assert elapsed < 30.0, elapsed  # O(n^2 d) de-duplication in BLAS blocks, O(n q d) k-center
+
+
+# --- the published selection: equalize, distance orders, weights -----------------------------------------------
+
+
+def _published_slice(dist_c, m, prune_type):
+    """The published per-cluster cut (_kmeans_prune_equalize_interleave): members sorted by ascending distance
+    (a stable sort, so ties by index), then 'close' keeps lst[-m:] and 'far' keeps lst[:m]."""
+    lst = sorted(range(len(dist_c)), key=lambda i: dist_c[i])
+    return set(lst[-m:] if prune_type == "close" else lst[:m])
+
+
+def _two_clusters_2d():
+    # Cluster 0: five points on a line around (0, 0); cluster 1: seven points around (10, 10), two tied.
+    a = np.array([[-2, 0], [-1, 0], [0, 0], [1, 0], [2.5, 0]], dtype=np.float32)
+    b = np.array([[10, 10], [10, 11], [10, 13], [12, 10], [10, 7], [10, 9.5], [10.5, 10]], dtype=np.float32)
+    x = np.concatenate([a, b])
+    labels = np.array([0] * 5 + [1] * 7)
+    centres = np.array([[0, 0], [10, 10]], dtype=np.float32)
+    dist = np.sum((x - centres[labels]) ** 2, axis=1)  # squared Euclidean, as the kmeans path
+    return x, labels, dist
+
+
+def test_within_orders_pick_the_right_points_by_hand():
+    x, labels, dist = _two_clusters_2d()
+    # dist: cluster 0 = [4, 1, 0, 1, 6.25]; cluster 1 = [0, 1, 9, 4, 9, 0.25, 0.25].
+    res = select("equalize", x, labels, dist, within="peripheral", ratio=1.0, micro_batch_size=2)
+    assert res.quotas.tolist() == [4, 4]  # floor(1.0 * 5) = 5, rounded down to whole micro-batches of 2
+    assert res.indices.tolist() == [0, 1, 3, 4, 6, 7, 8, 9]  # the farthest four of each cluster
+    assert set(res.reasons) == {"peripheral"}
+    res = select("equalize", x, labels, dist, within="central", ratio=1.0, micro_batch_size=2)
+    assert res.indices.tolist() == [0, 1, 2, 3, 5, 6, 10, 11]  # the nearest four of each cluster
+    # Ties at the cut, as the published slices: peripheral (lst[-m:]) keeps the higher index, central
+    # (lst[:m]) the lower; picks come farthest / nearest first.
+    d0 = dist[:5]
+    assert select_within(None, d0, 3, "peripheral")[0].tolist() == [4, 0, 3]
+    assert select_within(None, d0, 2, "central")[0].tolist() == [2, 1]
+    d1 = dist[5:]
+    assert select_within(x[5:], d1, 2, "central")[0].tolist() == [0, 5]
+    assert select_within(x[5:], d1, 2, "peripheral")[0].tolist() == [4, 2]
+    # random: seeded, a subset of the right size, the same twice.
+    r1, why = select_within(None, d1, 3, "random", seed=4)
+    r2, _ = select_within(None, d1, 3, "random", seed=4)
+    assert r1.tolist() == r2.tolist() and len(set(r1.tolist())) == 3 and why == ["random"] * 3
+    assert select_within(None, d1, 7, "peripheral")[1] == ["whole-cluster"] * 7
+
+
+def test_within_orders_match_the_published_slices():
+    x, labels, dist = _two_clusters_2d()
+    for within, prune_type in (("peripheral", "close"), ("central", "far")):
+        for m in (1, 2, 3, 4):
+            res = select("equalize", x, labels, dist, within=within, ratio=m / 5, micro_batch_size=1)
+            for c in (0, 1):
+                members = np.flatnonzero(labels == c)
+                got = set(np.flatnonzero(np.isin(members, res.indices)).tolist())
+                assert got == _published_slice(dist[members], m, prune_type), (within, m, c)
+
+
+def test_equalize_counts_are_equal_and_whole_micro_batches():
+    rng = np.random.default_rng(0)
+    sizes = np.array([40, 13, 25, 60])
+    labels = rng.permutation(np.repeat(np.arange(4), sizes))
+    x = rng.normal(size=(labels.size, 8)).astype(np.float32)
+    dist = rng.uniform(0, 1, labels.size)
+    for within in ("kcenter", "strata", "peripheral", "central", "random"):
+        res = select("equalize", x, labels, dist, within=within, ratio=0.5, micro_batch_size=4, seed=2)
+        # floor(0.5 * 13) = 6, rounded down to a multiple of 4
+        assert res.quotas.tolist() == [4, 4, 4, 4], within
+        assert np.bincount(labels[res.indices], minlength=4).tolist() == [4, 4, 4, 4], within
+        assert np.all(np.diff(res.indices) > 0)
+    # the peripheral picks are each cluster's four largest distances
+    res = select("equalize", x, labels, dist, within="peripheral", ratio=0.5, micro_batch_size=4)
+    for c in range(4):
+        members = np.flatnonzero(labels == c)
+        top = members[np.argsort(-dist[members])[:4]]
+        assert sorted(top.tolist()) == res.indices[labels[res.indices] == c].tolist()
+
+
+def test_equalize_count_rules():
+    assert sel.equalize_count([100, 300], 0.29, 1) == 29  # the decimal 0.29, not 28.999...
+    assert sel.equalize_count([13, 40], 0.5, 4) == 4
+    assert sel.equalize_count([13, 40], 1.0, 1) == 13
+    from ray_cluster_ft.config import ConfigError
+
+    x, labels, dist, _ = _clustered()  # sizes 40, 5, 25, 2, 60
+    with pytest.raises(ConfigError, match=r"sizes \[40, 5, 25, 2, 60\]") as err:
+        select("equalize", x, labels, dist, ratio=0.5, micro_batch_size=4)
+    assert "train.micro_batch_size=4" in str(err.value) and "selection.ratio=0.5" in str(err.value)
+    with pytest.raises(ValueError, match="ratio"):
+        sel.equalize_count([10], 1.5, 1)
+
+
+def test_balanced_with_a_distance_order_meets_the_quotas():
+    x, labels, dist, sizes = _clustered()
+    res = select("balanced", x, labels, dist, budget=50, within="central", seed=1)
+    np.testing.assert_array_equal(np.bincount(labels[res.indices], minlength=sizes.size), water_fill_quotas(sizes, 50))
+    for c in np.flatnonzero(res.quotas < sizes):
+        members = np.flatnonzero(labels == c)
+        nearest = members[np.argsort(dist[members], kind="stable")[: res.quotas[c]]]
+        assert sorted(nearest.tolist()) == res.indices[labels[res.indices] == c].tolist()
+
+
+def test_selection_weights_by_hand():
+    # Clusters of 6, 3 and 1 candidates (N = 10), 2, 2 and 1 selected (S = 5):
+    # w0 = (6/10)/(2/5) = 1.5, w1 = (3/10)/(2/5) = 0.75, w2 = (1/10)/(1/5) = 0.5.
+    labels = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1, 2])
+    selected = np.array([9, 0, 6, 1, 7])
+    w = sel.selection_weights(labels, selected, "equalize")
+    assert w.dtype == np.float64
+    assert w.tolist() == [0.5, 1.5, 0.75, 1.5, 0.75]
+    assert w.mean() == 1.0
+    assert sel.selection_weights(labels, selected, "random").tolist() == [1.0] * 5
+    assert sel.selection_weights(labels, selected, "full").tolist() == [1.0] * 5
+    assert sel.selection_weights(labels, selected[:0], "balanced").shape == (0,)
+    # Cluster 2 has nothing selected: N counts the 9 candidates of clusters 0 and 1, S = 3:
+    # w0 = (6/9)/(1/3) = 2, w1 = (3/9)/(2/3) = 0.5; the mean stays 1.
+    w2 = sel.selection_weights(labels, np.array([0, 6, 7]), "balanced")
+    assert w2.tolist() == [2.0, 0.5, 0.5] and w2.mean() == 1.0
+    with pytest.raises(ValueError, match="strategy"):
+        sel.selection_weights(labels, selected, "greedy")
+    with pytest.raises(ValueError, match="index"):
+        sel.selection_weights(labels, np.array([10]), "balanced")
+
+
+def test_selection_weights_mean_is_one_on_real_selections():
+    x, labels, dist, _ = _clustered(seed=3)
+    for strategy, kw in (("balanced", {"budget": 37}), ("equalize", {"ratio": 1.0})):
+        res = select(strategy, x, labels, dist, within="random", **kw)
+        w = sel.selection_weights(labels, res.indices, strategy)
+        assert w.shape == res.indices.shape and abs(w.mean() - 1.0) < 1e-12
+
+
+def test_run_equalize_reports_k_times_m():
+    from ray_cluster_ft.config import ConfigError, parse_config
+
+    x, labels, dist, _ = _clustered()  # sizes 40, 5, 25, 2, 60
+    cfg = parse_config({"selection": {"strategy": "equalize", "ratio": 1.0, "within": "peripheral"},
+                        "train": {"micro_batch_size": 2}})
+    stage = sel.run(cfg, None, n_candidates=labels.size, sketches=x, labels=labels, dist=dist)
+    assert stage.requested == 5 * 2 == stage.result.indices.size
+    with pytest.raises(ConfigError, match="clustering"):
+        sel.run(cfg, None, n_candidates=labels.size)

@@ -39,11 +39,7 @@ from ._slots import (
     _rng,
 )
 
-__all__ = [
-    "PLAN_COLUMNS",
-    "PlanResult",
-    "make_plan",
-]
+__all__ = ["PLAN_COLUMNS", "PlanResult", "cluster_per_rank_plan", "make_plan"]
 
 
 PLAN_COLUMNS = ["epoch", "step", "rank", "micro_index", "example_id", "cluster", "n_tokens"]
@@ -164,6 +160,50 @@ def _rows_frame(mb_sched: np.ndarray, mb_rows: np.ndarray, ids, cl, nt, steps_pe
     return frame
 
 
+def cluster_per_rank_plan(ids: np.ndarray, cl: np.ndarray, nt: np.ndarray, w: int, b: int, g: int, epochs: int,
+                          seed: int) -> PlanResult:
+    """The published method's allocation: rank r trains only cluster r, in a fresh seeded order every epoch.
+
+    In the paper's code (kaist-dmlab/CluSTER, ``call_back.py``: ``_interleave_equal_clusters`` with
+    Accelerate's strided sharding, re-shuffled per epoch preserving position mod W) the K = W clusters are
+    interleaved so that rank r sees only cluster r. Here the same assignment is a plan: clusters in ascending
+    label order map to ranks 0..W-1; every rank keeps the same number of rows, the smallest cluster's count
+    rounded down to whole optimizer steps (``B * G``), the others' extra rows are a seeded random choice and
+    are reported as dropped; each epoch every rank's rows are permuted with a stream of (seed, epoch, rank)
+    and cut into consecutive micro-batches.
+
+    Args:
+        ids: str (N,); cl: int (N,) cluster labels with exactly ``w`` distinct values; nt: int (N,) tokens.
+        w, b, g, epochs, seed: world size, micro-batch, grad_accum, epochs, seed (validated by the caller).
+
+    Returns:
+        :class:`PlanResult` (the plan sorted by rank, epoch, step, micro_index, position).
+
+    Raises:
+        ValueError: not exactly ``w`` clusters, or the smallest cluster holds fewer than ``B * G`` rows.
+    """
+    labels, code = np.unique(cl, return_inverse=True)
+    if labels.size != w:
+        raise ValueError(f"cluster_per_rank needs exactly world_size={w} clusters (rank r trains cluster r), got "
+                         f"{labels.size}")
+    members = [np.flatnonzero(code == r) for r in range(w)]
+    per_rank = (min(m.size for m in members) // (b * g)) * (b * g)
+    if per_rank == 0:
+        raise ValueError(f"cluster_per_rank: the smallest cluster holds {min(m.size for m in members)} rows, fewer "
+                         f"than one optimizer step of micro_batch_size={b} x grad_accum={g} on its rank")
+    kept = [np.sort(_rng(seed, _TAG_DROP, r).choice(m, size=per_rank, replace=False)) for r, m in enumerate(members)]
+    drop = np.sort(np.setdiff1d(np.arange(ids.size), np.concatenate(kept)))
+    steps = per_rank // (b * g)
+    mb_rows, scheds = [], []
+    for e in range(epochs):
+        for r in range(w):
+            mb_rows.append(_rng(seed, _TAG_ORDER, e, r).permutation(kept[r]).reshape(-1, b))
+        ids_grid = e * w * steps * g + np.arange(w * steps * g).reshape(w, steps, g)  # rank-major
+        scheds.append(ids_grid.transpose(1, 2, 0))  # step, micro_index, rank
+    plan = _rows_frame(np.stack(scheds), np.concatenate(mb_rows), ids, cl, nt, steps)
+    return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(ids.size))
+
+
 # Long for its docstring (about 55 lines: every strategy and rule); the body is the three strategies' dispatch
 # over helpers in _slots.py.
 def make_plan(
@@ -174,7 +214,7 @@ def make_plan(
     micro_batch_size: int,
     grad_accum: int = 1,
     epochs: int = 1,
-    strategy: Literal["cluster", "random", "length"] = "cluster",
+    strategy: Literal["cluster", "random", "length", "cluster_per_rank"] = "cluster",
     seed: int = 0,
     pad_tolerance: float = 0.05,
 ) -> PlanResult:
@@ -203,6 +243,9 @@ def make_plan(
     form a slot, the slot order is shuffled (seed, epoch), and ranks get micro-batches by LPT as in
     ``cluster``. The examples dropped are a seeded random choice, as in ``random``.
 
+    ``cluster_per_rank`` (the published method's allocation, :func:`cluster_per_rank_plan`): rank r trains
+    only the r-th cluster (clusters in ascending label order; there must be exactly ``world_size``).
+
     Args:
         example_ids: str (N,) unique ids.
         clusters: int (N,) cluster of each example (any integers; ``-1`` is an ordinary cluster here).
@@ -211,7 +254,7 @@ def make_plan(
         micro_batch_size: rows per micro-batch B.
         grad_accum: micro-batches per rank per optimizer step G.
         epochs: passes over the kept examples.
-        strategy: ``cluster``, ``random`` or ``length``.
+        strategy: ``cluster``, ``random``, ``length`` or ``cluster_per_rank``.
         seed: seed of every random choice (non-negative); epoch e uses streams derived from (seed, e).
         pad_tolerance: ``cluster`` only, in [0, 1]: largest padding fraction a single-cluster micro-batch
             may keep; 1 keeps every one (pure clusters, more padding), 0 pools all that are not uniform.
@@ -227,8 +270,8 @@ def make_plan(
     b = _positive("micro_batch_size", micro_batch_size)
     g = _positive("grad_accum", grad_accum)
     n_epochs = _positive("epochs", epochs)
-    if strategy not in ("cluster", "random", "length"):
-        raise ValueError(f"strategy must be 'cluster', 'random' or 'length', got {strategy!r}")
+    if strategy not in ("cluster", "random", "length", "cluster_per_rank"):
+        raise ValueError(f"strategy must be 'cluster', 'random', 'length' or 'cluster_per_rank', got {strategy!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if not 0.0 <= float(pad_tolerance) <= 1.0:
@@ -241,6 +284,8 @@ def make_plan(
             f"{n} examples cannot fill one optimizer step of world_size={w} x micro_batch_size={b} x "
             f"grad_accum={g} = {unit}: some ranks would get no micro-batch"
         )
+    if strategy == "cluster_per_rank":
+        return cluster_per_rank_plan(ids, cl, nt, w, b, g, n_epochs, seed)
     n_keep = (n // unit) * unit
     n_drop = n - n_keep
     n_slots = n_keep // (w * b)

@@ -28,12 +28,15 @@ class AllocationStage:
         result: :class:`PlanResult` (the plan, the ids dropped to make every rank's micro-batch count equal).
         baseline: the ``random`` plan of the same selection (``None`` when the strategy is ``random``).
         metrics: ``{strategy: plan_metrics, "random (baseline)": plan_metrics}``.
+        weights: float64 per planned example, indexed by ``example_id``: the selection weight
+            (:func:`ray_cluster_ft.select.selection_weights`, mean 1), also ``selection.parquet``'s ``weight``.
     """
 
     plan: pd.DataFrame
     result: PlanResult
     baseline: pd.DataFrame | None
     metrics: dict
+    weights: pd.Series
 
 
 def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_tokens: np.ndarray,
@@ -41,7 +44,9 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
     """Plan the selected candidates with ``allocation.strategy`` and write the stage's artifacts.
 
     ``selection.parquet`` (``example_id``, ``cluster`` int32, ``reason``) lists the selected rows the plan
-    trains: the budget rounded down to whole optimizer steps on every rank.
+    trains: the budget rounded down to whole optimizer steps on every rank; ``weight`` (float64) restores each
+    cluster's share of the candidates, ``(n_c / N) / (s_c / S)`` over the rows listed (mean 1; 1 for the
+    ``full`` and ``random`` selections).
 
     Args:
         cfg: the job config (``train`` world size, micro-batch, grad_accum, epochs; ``allocation`` section).
@@ -69,13 +74,17 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
     from ..rundir import claim
 
     plan.to_parquet(claim(run_dir, "plan.parquet", "selection.parquet"), index=False)
+    from ..select import selection_weights
+
     keep = np.isin(sel_ids, plan["example_id"].unique())
+    weight = selection_weights(labels, np.asarray(selected)[keep], cfg.selection.strategy)
     pq.write_table(pa.table({"example_id": sel_ids[keep], "cluster": sel_labels[keep].astype(np.int32),
-                             "reason": np.asarray(reasons)[keep]}), run_dir / "selection.parquet")
+                             "reason": np.asarray(reasons)[keep], "weight": weight.astype(np.float64)}),
+                   run_dir / "selection.parquet")
     metrics = {cfg.allocation.strategy: plan_metrics(plan, W)}
     baseline = None
     if cfg.allocation.strategy != "random":
         baseline = plan_for(strategy="random").plan
         metrics["random (baseline)"] = plan_metrics(baseline, W)
     print(f"[ray-cluster-ft] plan: {json.dumps(metrics, default=float)}", flush=True)
-    return AllocationStage(plan, res, baseline, metrics)
+    return AllocationStage(plan, res, baseline, metrics, pd.Series(weight, index=sel_ids[keep], dtype=np.float64))

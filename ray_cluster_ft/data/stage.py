@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ class DataStage:
         pad_token_id: its padding id.
         result: the accepted (candidate and held-out) and rejected rows, :class:`DataResult`.
         reasons: rejected rows per reason category (:func:`reason_category`).
+        eval_files: per ``evaluation.paths`` entry, its rows (all accepted rows in ``train``, none held out).
     """
 
     model_path: str
@@ -33,6 +34,7 @@ class DataStage:
     pad_token_id: int
     result: DataResult
     reasons: dict
+    eval_files: dict = field(default_factory=dict)
 
 
 def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
@@ -83,4 +85,24 @@ def run(cfg: JobConfig, run_dir: Path, resume: bool = False) -> DataStage:
         f"selection, {data.eval.num_rows} held out, {len(data.rejected)} rejected" + (f" {reasons}" if reasons else ""),
         flush=True,
     )
-    return DataStage(model_path, tok, int(tok.pad_token_id), data, reasons)
+    eval_files = _eval_files(cfg, tok, run_dir)
+    return DataStage(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files)
+
+
+def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
+    """The ``evaluation.paths`` files, read and tokenized like the training data, every accepted row kept for
+    scoring (none held out, none a candidate); their rejections go to ``eval_rejected.jsonl``."""
+    from ..config import DataConfig
+    from ..rundir import claim
+
+    out: dict[str, DataResult] = {}
+    if not cfg.evaluation.paths:
+        return out
+    d = cfg.data
+    with open(claim(run_dir, "eval_rejected.jsonl"), "w", encoding="utf-8") as fh:
+        for path in cfg.evaluation.paths:
+            one = DataConfig(source="files", paths=[path], max_seq_len=d.max_seq_len, overlong=d.overlong,
+                             eval_fraction=0.0, max_eval=0, seed=d.seed)
+            out[path] = load_examples(one, tok)
+            fh.writelines(rej.to_json() + "\n" for rej in out[path].rejected)
+    return out

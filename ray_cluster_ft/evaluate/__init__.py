@@ -38,6 +38,7 @@ from .stage import (
     evaluate_tasks,
     ray_evaluator,
     run,
+    run_files,
     write_samples,
 )
 from .tasks import demo_eval_fields, eval_tasks, humaneval_records, task_from_row
@@ -59,6 +60,7 @@ __all__ = [
     "pass_at_1",
     "ray_evaluator",
     "run",
+    "run_files",
     "run_program",
     "task_from_row",
     "write_samples",

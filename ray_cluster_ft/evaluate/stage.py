@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..config import JobConfig
+from .tasks import eval_tasks
 from .metrics import choice_logprobs, heldout_loss, mc_result, pass_at_1
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Evaluator",
     "EvaluationInputs",
     "run",
+    "run_files",
 ]
 
 
@@ -229,6 +231,8 @@ class EvaluationInputs:
         when: ``"before"`` or ``"after"`` (training): names the artifacts.
         evaluator: the :data:`Evaluator` to call.
         resume: ``before`` only: read back ``eval_before.json`` of a stopped run instead of scoring again.
+        name: ``""`` for the held-out split of the training sources; ``file<i>`` for the i-th
+            ``evaluation.paths`` file (its own samples file, never cached).
     """
 
     model_path: str | None
@@ -237,6 +241,7 @@ class EvaluationInputs:
     when: str
     evaluator: Evaluator
     resume: bool = False
+    name: str = ""
 
 
 def run(cfg: JobConfig, run_dir: Path, inputs: EvaluationInputs) -> dict:
@@ -250,14 +255,36 @@ def run(cfg: JobConfig, run_dir: Path, inputs: EvaluationInputs) -> dict:
     """
     from ..rundir import claim
 
-    cached = run_dir / "eval_before.json"
-    if inputs.when == "before" and inputs.resume and cached.exists():
+    cached = run_dir / "eval_before.json" if not inputs.name else None
+    if inputs.when == "before" and inputs.resume and cached is not None and cached.exists():
         return json.loads(cached.read_text())
-    claim(run_dir, f"eval_{inputs.when}_samples.jsonl", *(["eval_before.json"] if inputs.when == "before" else []))
+    samples_file = f"eval_{inputs.when}{'_' + inputs.name if inputs.name else ''}_samples.jsonl"
+    claim(run_dir, samples_file, *(["eval_before.json"] if inputs.when == "before" and cached else []))
     metrics: dict = {}
     if inputs.examples.num_rows and inputs.model_path:
         metrics, samples = inputs.evaluator(inputs.model_path, inputs.examples, inputs.tasks)
-        write_samples(run_dir / f"eval_{inputs.when}_samples.jsonl", samples)
-    if inputs.when == "before":
+        write_samples(run_dir / samples_file, samples)
+    if inputs.when == "before" and cached is not None:
         cached.write_text(json.dumps(metrics, default=float))
     return metrics
+
+
+def run_files(cfg: JobConfig, run_dir: Path, files: dict, model_path: str | None, when: str,
+              evaluator: Evaluator) -> dict:
+    """Score ``model_path`` on every ``evaluation.paths`` file (``files``: path -> its
+    :class:`~ray_cluster_ft.data.DataResult`, all rows in ``train``), each with its own tasks and
+    ``eval_{when}_file<i>_samples.jsonl``.
+
+    Returns:
+        ``{path: metrics}`` (as :func:`run` returns them).
+    """
+    from ..config import DataConfig
+
+    ev = cfg.evaluation
+    out = {}
+    for i, (path, res) in enumerate(files.items()):
+        table = res.train
+        tasks = eval_tasks(DataConfig(source="files", paths=[path]), table, max_mc=ev.max_mc,
+                           max_code=ev.max_code) if table.num_rows else []
+        out[path] = run(cfg, run_dir, EvaluationInputs(model_path, table, tasks, when, evaluator, name=f"file{i}"))
+    return out

@@ -1,6 +1,7 @@
 """Feature stage: a per-example learning-effect feature for every candidate, computed by Ray Data actors.
 
 * :mod:`.projection`: the LoGra factorised gradient sketch (Choe et al. 2024, Sec. 3), pure torch;
+* :mod:`.last_layer`: the published method's last-layer gradient proxy (one inference forward);
 * :mod:`.reference`: slow exact references (per-example autograd, explicit Kronecker projection) for tests;
 * :mod:`.sketchers`: the gradient sketch and the embedding baseline behind one interface
   (:func:`make_sketcher`);
@@ -10,12 +11,14 @@
 """
 
 from .inputs import SketchInputs, prepare_sketch_inputs, same_tokenization
+from .last_layer import last_layer_features, normalise_last_layer
 from .projection import Projector, make_projector, select_modules, sketch_batch
 from .reference import exact_sketch, sketch_fidelity, weight_gradients
 from .sketchers import (
     EMBEDDING_PACKAGE,
     EmbeddingSketcher,
     GradientSketcher,
+    LastLayerSketcher,
     embedding_model_dir,
     length_batches,
     make_sketcher,
@@ -29,6 +32,7 @@ __all__ = [
     "EmbeddingSketcher",
     "FeatureStage",
     "GradientSketcher",
+    "LastLayerSketcher",
     "Projector",
     "Shard",
     "ShardSketcher",
@@ -36,9 +40,11 @@ __all__ = [
     "compute_sketches",
     "embedding_model_dir",
     "exact_sketch",
+    "last_layer_features",
     "length_batches",
     "make_projector",
     "make_sketcher",
+    "normalise_last_layer",
     "plan_shards",
     "prepare_sketch_inputs",
     "read_sketches",

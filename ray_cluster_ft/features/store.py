@@ -76,11 +76,13 @@ def sketch_fingerprint(cfg: SketchConfig, model_path: str, use_gpu: bool) -> str
     """Hex digest of everything a sketch's values depend on besides its example: method, model weights (see
     :func:`_model_fingerprint`), modules, ``last_blocks``, ``k_in``, ``k_out``, ``dim``, seed, dtype and device
     kind. Batch sizes and actor counts are left out: a sketch does not depend on its batch mates (up to float
-    rounding)."""
+    rounding). The last-layer feature and the embeddings use no projection, so only method and dtype count for
+    them (a changed ``dim`` does not recompute them)."""
     import json
 
-    keys = {k: v for k, v in cfg.model_dump().items()
-            if k in ("method", "modules", "last_blocks", "k_in", "k_out", "dim", "seed", "dtype")}
+    used = ("method", "modules", "last_blocks", "k_in", "k_out", "dim", "seed", "dtype") \
+        if cfg.method == "gradient" else ("method", "dtype")
+    keys = {k: v for k, v in cfg.model_dump().items() if k in used}
     blob = json.dumps({"v": 1, "cfg": keys, "model": _model_fingerprint(model_path), "gpu": bool(use_gpu)},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()

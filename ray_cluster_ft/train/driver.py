@@ -153,6 +153,7 @@ def train(
     save_model: bool = True,
     pad_token_id: int = 0,
     resume: bool = False,
+    weights: pd.Series | None = None,
 ) -> TrainResult:
     """Train ``model_path`` on exactly the planned micro-batches with Ray Train + DeepSpeed.
 
@@ -172,6 +173,9 @@ def train(
         trust_remote_code: passed to ``from_pretrained``.
         save_model: write ``run_dir/final_model`` (HF format + tokenizer).
         pad_token_id: id used to right-pad micro-batches (masked out of attention and loss).
+        weights: per-example loss weights indexed by ``example_id`` (the selection weights, for
+            ``train.loss_weighting: cluster``); ``None`` weighs every example 1. Either way the loss is
+            token-exact (:mod:`ray_cluster_ft.train.step`).
         resume: continue from the newest complete checkpoint under ``run_dir/ray_train`` (a stopped run of the
             same plan: Ray's latest, or a newer complete one on disk; incomplete ones are skipped and reported);
             False starts clean, deleting that run's checkpoints and logs. Checkpoints other than the final one
@@ -195,7 +199,7 @@ def train(
     world = cfg.num_workers
     total_steps = check_plan(plan, world, cfg.micro_batch_size, cfg.grad_accum)
     n_micro = total_steps * cfg.grad_accum
-    tables = build_rank_tables(plan, examples, world)
+    tables = build_rank_tables(plan, examples, world, weights)
     model_dir = resolve_model_path(model_path)
     tokenizer = None
     if save_model:
@@ -305,7 +309,7 @@ def verify_trained(plan: pd.DataFrame, trained: pd.DataFrame) -> dict:
 
 
 def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_path: str, pad_token_id: int,
-        resume: bool = False) -> TrainResult:
+        weights: pd.Series | None = None, resume: bool = False) -> TrainResult:
     """The training stage: :func:`train` on the planned rows of ``candidates`` (the whole candidates table;
     only the rows the plan names are sent to the workers).
 
@@ -318,5 +322,6 @@ def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_p
     ids = np.asarray(candidates.column("example_id").to_pylist())
     planned = candidates.filter(pa.array(np.isin(ids, plan["example_id"].unique())))
     res = train(plan, planned, cfg.train, model_path, run_dir, trust_remote_code=cfg.model.trust_remote_code,
-                save_model=cfg.output.save_model, pad_token_id=pad_token_id, resume=resume)
+                save_model=cfg.output.save_model, pad_token_id=pad_token_id, resume=resume,
+                weights=weights if cfg.train.loss_weighting == "cluster" else None)
     return res

@@ -154,18 +154,18 @@ def _build_engine(config: dict, cfg: SimpleNamespace):
     return engine, t_load, time.perf_counter() - t0
 
 
-def _end_of_step(acc, step_time: float, fwd_s: float, ga: int, rank: int, world: int, meters: dict):
+def _end_of_step(acc, step_time: float, fwd_s: float, rank: int, world: int, meters: dict):
     """All-gather every rank's step figures once per step, export this rank's metrics.
 
     Returns:
-        float64 ``(world, 5)``: loss (mean over this rank's micro-batches), real tokens, padded tokens, step
-        seconds, forward seconds; and the per-rank approximate compute and wait seconds.
+        float64 ``(world, 5)``: this rank's share of the token-exact step loss (their sum is the step's loss),
+        real tokens, padded tokens, step seconds, forward seconds; and the per-rank approximate compute and wait
+        seconds.
     """
     import torch
     import torch.distributed as dist
 
     mine = torch.cat([acc, torch.tensor([step_time, fwd_s], dtype=torch.float64, device=acc.device)])
-    mine[0] /= ga
     per_rank = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(per_rank, mine)
     g = torch.stack(per_rank).cpu().numpy()
@@ -177,14 +177,14 @@ def _end_of_step(acc, step_time: float, fwd_s: float, ga: int, rank: int, world:
     meters["wait_s"].set(float(wait[rank]))
     meters["tokens"].inc(float(g[rank, 1]))
     meters["tps"].set(float(g[rank, 1] / max(step_time, 1e-9)))
-    meters["loss"].set(float(g[:, 0].mean()))
+    meters["loss"].set(float(g[:, 0].sum()))
     return g, compute, wait
 
 
 def _log_row(step: int, epoch: int, g: np.ndarray, compute: np.ndarray, wait: np.ndarray, lr: float) -> dict:
     """One row of ``train_log.jsonl`` from :func:`_end_of_step`'s figures."""
     slowest = float(g[:, 3].max())
-    return {"step": step, "epoch": epoch, "loss": float(g[:, 0].mean()), "tokens": int(g[:, 1].sum()),
+    return {"step": step, "epoch": epoch, "loss": float(g[:, 0].sum()), "tokens": int(g[:, 1].sum()),
             "padded_tokens": int(g[:, 2].sum()), "step_time_s": slowest,
             "tokens_per_s": float(g[:, 1].sum()) / max(slowest, 1e-9), "lr": lr,
             "step_time_s_per_rank": g[:, 3].round(4).tolist(),
@@ -236,7 +236,7 @@ def train_loop_per_worker(config: dict) -> None:
     done = 0
     cur_step = None
     step_t0 = step_lr = fwd_s = 0.0
-    # This rank's step sums (loss over micro-batches, real tokens, padded tokens), kept on the device so the
+    # This rank's step sums (its share of the token-exact loss, real tokens, padded tokens), kept on the device so the
     # micro-batch loop never waits for the accelerator; read once per step by the all-gather.
     acc = torch.zeros(3, dtype=torch.float64, device=device)
     metrics: dict[str, Any] = {}
@@ -265,21 +265,22 @@ def train_loop_per_worker(config: dict) -> None:
                 step_lr = float(engine.get_lr()[0])  # the lr this step trains with (the scheduler steps after it)
                 acc.zero_()
             mb = micro_batch_to_device(batch, config["pad_token_id"], device)
-            loss, dt = train_micro_batch(engine, mb, sync)
+            denom = float(batch["step_weighted_tokens"][0])  # the step's sum_i w_i |T_i|, from the plan
+            loss_sum, dt = train_micro_batch(engine, mb, world * ga / denom, sync)
             fwd_s += dt
             _append_jsonl(trained_fh, [
                 {"rank": rank, "step": step, "micro_index": micro, "epoch": epoch, "example_id": str(e)}
                 for e in batch["example_id"]
             ])
-            acc += torch.stack([loss.double(), mb["attention_mask"].sum().double(),
+            acc += torch.stack([loss_sum.double() / denom, mb["attention_mask"].sum().double(),
                                 torch.tensor(float(mb["attention_mask"].numel()), dtype=torch.float64, device=device)])
             done += 1
             if micro != ga - 1:
                 continue
             sync()
-            g, compute, wait = _end_of_step(acc, time.perf_counter() - step_t0, fwd_s, ga, rank, world, meters)
+            g, compute, wait = _end_of_step(acc, time.perf_counter() - step_t0, fwd_s, rank, world, meters)
             steps_done = done // ga
-            metrics = {"epoch": epoch, "step": step, "loss": float(g[:, 0].mean())}
+            metrics = {"epoch": epoch, "step": step, "loss": float(g[:, 0].sum())}
             if log_fh is not None:
                 row = _log_row(step, epoch, g, compute, wait, step_lr)
                 _append_jsonl(log_fh, [row])

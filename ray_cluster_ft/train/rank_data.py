@@ -15,6 +15,7 @@ from ..allocate import plan_hash  # noqa: F401 - re-exported: the hash a checkpo
 from ..data.collate import IGNORE_INDEX
 
 __all__ = [
+    "label_token_counts",
     "PLAN_COLUMNS",
     "TRAINED_COLUMNS",
     "build_rank_tables",
@@ -54,6 +55,17 @@ def _examples_table(examples: pa.Table | pd.DataFrame) -> pa.Table:
     return t.set_column(0, "example_id", pc.cast(t.column("example_id"), pa.string()))
 
 
+def label_token_counts(labels: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """int64 ``(N,)``: the label tokens each example is trained on, ``labels[t] != -100`` for ``t >= 1`` (a
+    causal LM predicts token t from the positions before it, so the first label never counts)."""
+    labels = labels.combine_chunks() if isinstance(labels, pa.ChunkedArray) else labels
+    n_lab = pc.list_value_length(labels).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = pc.list_flatten(labels).to_numpy(zero_copy_only=False) != IGNORE_INDEX
+    starts = np.cumsum(n_lab) - n_lab
+    values[starts[n_lab > 0]] = False
+    return np.bincount(np.repeat(np.arange(len(n_lab)), n_lab), weights=values, minlength=len(n_lab)).astype(np.int64)
+
+
 def _check_token_columns(t: pa.Table) -> None:
     """input_ids/labels: no nulls, equal non-zero lengths, at least one trainable (shifted) label each."""
     ids, labels = t.column("input_ids"), t.column("labels")
@@ -70,35 +82,38 @@ def _check_token_columns(t: pa.Table) -> None:
         )
     # Causal LMs shift labels by one, so the first token's label never counts: an example needs a
     # non-ignored label at position >= 1, else a micro-batch of such examples has a 0/0 (NaN) loss.
-    values = pc.list_flatten(labels).to_numpy() != IGNORE_INDEX
-    starts = np.cumsum(n_lab) - n_lab
-    values[starts] = False
-    owner = np.repeat(np.arange(len(n_lab)), n_lab)
-    trainable = np.bincount(owner, weights=values, minlength=len(n_lab))
-    bad = np.flatnonzero(trainable == 0)
+    bad = np.flatnonzero(label_token_counts(labels) == 0)
     if bad.size:
         raise ValueError(
             f"{bad.size} planned examples have no label token to train on (all -100), e.g. {eid[bad[:5]].tolist()}"
         )
 
 
-def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_size: int) -> list[pa.Table]:
-    """Join the plan with the tokenized examples: one table per rank, rows in plan order.
+def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_size: int,
+                      weights: pd.Series | None = None) -> list[pa.Table]:
+    """Join the plan with the tokenized examples: one table per rank, rows in plan order, with what the
+    token-exact loss needs.
+
+    A step's loss is ``sum_i w_i sum_t l_it / sum_i w_i |T_i|`` over every label token of that optimizer step,
+    on all ranks and micro-batches (docs/design.md, "Train"). Its denominator is known from the plan, so it is
+    precomputed here (``step_weighted_tokens``) and no collective is needed to normalise.
 
     Args:
         plan: the allocation plan (columns ``epoch, step, rank, micro_index, example_id``), rows of one
             micro-batch in their planned position order.
         examples: ``example_id`` (str), ``input_ids`` and ``labels`` (list<int>) per example.
         world_size: ranks.
+        weights: per-example loss weight indexed by ``example_id`` (the selection weights); ``None`` = 1.
 
     Returns:
         ``world_size`` tables with columns ``example_id`` (string), ``epoch, step, micro_index`` (int64),
-        ``input_ids, labels`` (list<int>), sorted by ``(epoch, step, micro_index)`` with a stable sort, so the
-        in-micro-batch position order of the plan is kept.
+        ``input_ids, labels`` (list<int>), ``weight`` (float64) and ``step_weighted_tokens`` (float64, the
+        step's ``sum_i w_i |T_i|`` over all ranks), sorted by ``(epoch, step, micro_index)`` with a stable sort,
+        so the in-micro-batch position order of the plan is kept.
 
     Raises:
-        ValueError: plan ids absent from ``examples``, duplicate example ids, bad token columns (see
-            :func:`_check_token_columns`).
+        ValueError: plan ids absent from ``examples`` or ``weights``, duplicate example ids, bad token columns
+            (see :func:`_check_token_columns`), a weight that is not finite and positive.
     """
     _require_columns(plan, PLAN_COLUMNS)
     ex = _examples_table(examples)
@@ -114,7 +129,12 @@ def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, wor
     used = np.unique(pos)
     _check_token_columns(ex.take(pa.array(used)))
 
-    order = plan.assign(_pos=pos).sort_values(["rank", *_KEY], kind="stable")
+    w = np.ones(len(plan_ids)) if weights is None else weights.reindex(plan_ids).to_numpy(np.float64)
+    if not np.all(np.isfinite(w) & (w > 0)):
+        raise ValueError("every planned example needs a finite, positive loss weight (missing ids or bad values)")
+    n_lab = label_token_counts(ex.column("labels"))[pos]
+    step_tokens = pd.Series(w * n_lab).groupby(plan["step"].to_numpy()).transform("sum").to_numpy()
+    order = plan.assign(_pos=pos, _w=w, _d=step_tokens).sort_values(["rank", *_KEY], kind="stable")
     tables = []
     for r in range(world_size):
         part = order[order["rank"] == r]
@@ -128,6 +148,8 @@ def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, wor
                     "micro_index": pa.array(part["micro_index"].to_numpy(np.int64)),
                     "input_ids": rows.column("input_ids"),
                     "labels": rows.column("labels"),
+                    "weight": pa.array(part["_w"].to_numpy(np.float64)),
+                    "step_weighted_tokens": pa.array(part["_d"].to_numpy(np.float64)),
                 }
             )
         )

@@ -554,3 +554,35 @@ def test_pad_tolerance_trades_padding_for_single_cluster_micro_batches(real_sele
         assert all(v["collisions_per_step"] == 0.0 for v in m.values())
         assert m[0.1]["single_cluster_fraction"] >= 0.7 and m[0.1]["padding_fraction"] <= 0.05
         assert m[1.0]["single_cluster_fraction"] >= 0.95 and m[1.0]["padding_fraction"] > 0.1
+
+
+def test_cluster_per_rank_gives_rank_r_only_cluster_r_reshuffled_every_epoch():
+    from ray_cluster_ft.allocate import check_plan, make_plan, plan_metrics
+
+    rng = np.random.default_rng(3)
+    sizes = {7: 30, 2: 21, 5: 26}  # labels need not be 0..W-1: ascending label order maps to ranks
+    cl = np.concatenate([np.full(n, c) for c, n in sizes.items()])
+    ids = np.array([f"x{i}" for i in range(cl.size)])
+    nt = rng.integers(3, 60, size=cl.size)
+    res = make_plan(ids, cl, nt, 3, 4, grad_accum=2, epochs=3, strategy="cluster_per_rank", seed=9)
+    plan = res.plan
+    assert check_plan(plan, 3, 4, 2) == 2 * 3  # 21 rows -> 16 per rank = 2 steps of 4 x 2, for 3 epochs
+    assert plan.groupby("rank")["cluster"].unique().map(list).to_dict() == {0: [2], 1: [5], 2: [7]}
+    assert len(res.dropped) == cl.size - 3 * 16 and set(res.dropped).isdisjoint(plan["example_id"])
+    for _, part in plan.groupby("epoch"):  # the same rows every epoch, each once
+        assert part["example_id"].is_unique and set(part["example_id"]) == set(plan["example_id"])
+    orders = [part[part["rank"] == 0]["example_id"].tolist() for _, part in plan.groupby("epoch")]
+    assert orders[0] != orders[1] != orders[2]  # a fresh order per epoch
+    assert plan_metrics(plan, 3)["collisions_per_step"] == 0.0
+    again = make_plan(ids, cl, nt, 3, 4, grad_accum=2, epochs=3, strategy="cluster_per_rank", seed=9).plan
+    pd.testing.assert_frame_equal(plan, again)
+
+
+def test_cluster_per_rank_refuses_a_cluster_count_other_than_the_world_size():
+    from ray_cluster_ft.allocate import make_plan
+
+    ids = np.array([f"x{i}" for i in range(40)])
+    with pytest.raises(ValueError, match="needs exactly world_size=2 clusters .* got 3"):
+        make_plan(ids, np.arange(40) % 3, np.full(40, 5), 2, 4, strategy="cluster_per_rank")
+    with pytest.raises(ValueError, match="smallest cluster holds 3 rows, fewer than one optimizer step"):
+        make_plan(ids, (np.arange(40) < 3).astype(int), np.full(40, 5), 2, 4, strategy="cluster_per_rank")

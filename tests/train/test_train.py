@@ -336,3 +336,89 @@ def test_train_saves_loadable_model(ray_cpu, tiny_model, tmp_path, stage, lora):
         assert not torch.allclose(tuned(x).logits, base(x).logits)
     else:
         _state_dict_keys_and_load(tiny_model, res.final_model_dir)
+
+
+def _reference_update(model_dir: str, ex: pa.Table, weights: dict, lr: float, eps: float, exact: bool):
+    """One AdamW step of a single process on all rows of the step: the token-exact weighted loss
+    ``sum_i w_i sum_t l_it / sum_i w_i |T_i|`` (``exact``), or the mean over examples of each example's token
+    mean (a loss that depends on how rows share micro-batches; the negative control). Returns the updated
+    state dict and the loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    num, den, means = 0.0, 0.0, []
+    for eid, ids, labels in zip(ex.column("example_id").to_pylist(), ex.column("input_ids").to_pylist(),
+                                ex.column("labels").to_pylist()):
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1].double()
+        tgt = torch.tensor(labels[1:])
+        ce = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=-100, reduction="sum")
+        n = int((tgt != -100).sum())
+        num, den = num + weights[eid] * ce, den + weights[eid] * n
+        means.append(ce / n)
+    loss = num / den if exact else torch.stack(means).mean()
+    loss.backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.0)
+    opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, float(loss.detach())
+
+
+@pytest.mark.slow
+def test_token_exact_weighted_step_equals_a_single_process_reference(ray_cpu, tiny_model, tmp_path):
+    """A 2-rank, grad_accum 2 DeepSpeed step (ZeRO-2, fp32) gives the same update as one process computing the
+    token-exact weighted loss over the same 8 rows. AdamW's eps is set large so the first update is about
+    lr * g / eps, linear in the gradient: a loss off by a scale or a weight would show (plain Adam's first step
+    is nearly sign(g) * lr, blind to both)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ex = make_examples(8, seed=7, min_len=4, max_len=40)  # lengths far apart: micro-batch means would differ
+    ids = ex.column("example_id").to_pylist()
+    weights = dict(zip(ids, np.linspace(0.4, 1.9, 8)))
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"optimizer": {"params": {"eps": 10.0}}}))
+    cfg = TrainConfig(num_workers=2, zero_stage=2, micro_batch_size=2, grad_accum=2, epochs=1, lr=1e-2,
+                      max_grad_norm=1e9, timeout_s=120, deepspeed_config=str(user))
+    plan = make_plan(ids, world=2, mbs=2, ga=2, epochs=1, seed=3)
+    res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2, weights=pd.Series(weights))
+    assert res.steps == 1
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(res.final_model_dir, dtype=torch.float32).state_dict()
+    want, want_loss = _reference_update(tiny_model, ex, weights, lr=1e-2, eps=10.0, exact=True)
+    other, _ = _reference_update(tiny_model, ex, weights, lr=1e-2, eps=10.0, exact=False)
+    assert res.final_loss == pytest.approx(want_loss, rel=1e-5)
+    delta = torch.cat([(got[k] - base[k]).flatten() for k in base])
+    delta_want = torch.cat([(want[k] - base[k]).flatten() for k in base])
+    delta_other = torch.cat([(other[k] - base[k]).flatten() for k in base])
+    for k in base:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+    assert float((delta - delta_want).norm() / delta_want.norm()) < 1e-4
+    assert float((delta_other - delta_want).norm() / delta_want.norm()) > 1e-2  # the control differs
+
+
+def test_rank_tables_carry_weights_and_the_steps_token_denominator():
+    from ray_cluster_ft.train import build_rank_tables
+
+    ids = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    # prompt of 2 tokens (-100), then 1..8 label tokens: after the shift, example i trains on i+1 tokens
+    toks = [[5] * (2 + i + 1) for i in range(8)]
+    labels = [[-100, -100] + [7] * (i + 1) for i in range(8)]
+    ex = pa.table({"example_id": ids, "input_ids": toks, "labels": labels})
+    plan = make_plan(ids, world=2, mbs=2, ga=1, epochs=1, seed=0)  # 2 steps of 4 rows
+    w = pd.Series(np.arange(1, 9, dtype=float), index=ids)
+    tables = build_rank_tables(plan, ex, 2, w)
+    n_lab = {e: i + 1 for i, e in enumerate(ids)}
+    want = {s: sum(w[e] * n_lab[e] for e in g["example_id"]) for s, g in plan.groupby("step")}
+    for t in tables:
+        for e, s, wt, d in zip(*(t.column(c).to_pylist() for c in ("example_id", "step", "weight",
+                                                                    "step_weighted_tokens"))):
+            assert wt == w[e] and d == pytest.approx(want[s])
+    ones = build_rank_tables(plan, ex, 2)
+    assert set(ones[0].column("weight").to_pylist()) == {1.0}
+    with pytest.raises(ValueError, match="finite, positive loss weight"):
+        build_rank_tables(plan, ex, 2, w.drop("c"))
+    with pytest.raises(ValueError, match="finite, positive loss weight"):
+        build_rank_tables(plan, ex, 2, w.replace(3.0, 0.0))

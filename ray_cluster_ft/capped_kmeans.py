@@ -1,0 +1,241 @@
+"""The published CluSTER method's clustering: plain Euclidean k-means and its soft cap on cluster sizes.
+
+From the paper's official code (kaist-dmlab/CluSTER, ``src/CluSTER/call_back.py``:
+``_kmeans_prune_equalize_interleave`` and ``kmeans_soft_cap_fit_predict``), written anew and vectorised; used by
+:mod:`ray_cluster_ft.clustering` for ``clustering.algorithm: kmeans`` and ``clustering.max_cluster_ratio``.
+Pure, deterministic functions of their inputs and seed.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from fractions import Fraction
+from typing import Literal, Optional
+
+import numpy as np
+
+__all__ = [
+    "euclidean_kmeans",
+    "soft_cap_labels",
+]
+
+
+def _as_matrix(x, name: str = "x") -> np.ndarray:
+    """float32 C-contiguous (N, d) copy-if-needed of ``x``, validated."""
+    arr = np.asarray(x)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array (N, d), got shape {arr.shape}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name} is empty: shape {arr.shape}")
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{name} must be numeric, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    finite = np.empty(arr.shape[0], dtype=bool)
+    for lo in range(0, arr.shape[0], _CHUNK_ROWS):  # chunked: a whole-matrix mask is 256 MiB at 10^6 x 256
+        finite[lo : lo + _CHUNK_ROWS] = np.isfinite(arr[lo : lo + _CHUNK_ROWS]).all(axis=1)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        raise ValueError(f"{name} has NaN or inf in {bad.size} rows (first: row {int(bad[0])})")
+    return arr
+
+
+def _check_k(k, n: int) -> int:
+    """``k`` as an int in 1..n, else ValueError."""
+    if isinstance(k, bool) or int(k) != k:
+        raise ValueError(f"k must be an integer, got {k!r}")
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if k > n:
+        raise ValueError(f"k={k} clusters is more than the {n} rows to cluster")
+    return k
+
+
+_CHUNK_ROWS = 65_536  # rows per block when scoring against centroids: bounds the (rows x k) temporary
+
+
+_CAP_TOPK = 8
+"""Candidate centroids per point in the first pass of :func:`soft_cap_labels` (the published ``topk=8``)."""
+
+
+def euclidean_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Plain Euclidean k-means exactly as the published CluSTER code runs it (``clustering.algorithm: kmeans``).
+
+    ``KMeans(n_clusters=k, n_init=10, random_state=seed)`` (k-means++, Lloyd, scikit-learn's other defaults)
+    on the rows as given, not normalised; the distance is the float32 squared Euclidean distance to the
+    assigned centre. Source: arXiv 2609.12584 and kaist-dmlab/CluSTER ``src/CluSTER/call_back.py``,
+    ``_kmeans_prune_equalize_interleave`` (its ``KMeans`` call) and ``_pairwise_sqdist_to_centers``.
+
+    Args:
+        x: (N, d) real, finite array (cast to float32); zero rows are allowed (nothing is normalised).
+        k: clusters, 1 <= k <= N.
+        seed: scikit-learn ``random_state``.
+
+    Returns:
+        labels int32 (N,) (scikit-learn's ``labels_``); dist float32 (N,) squared Euclidean distance to the own
+        centre; centroids float32 (k, d) (``cluster_centers_``). A cluster is empty only when x has fewer than
+        k distinct rows.
+
+    Raises:
+        ValueError: x not 2-D, empty, non-numeric or with NaN/inf; k < 1 or k > N.
+    """
+    from sklearn.cluster import KMeans
+    from sklearn.exceptions import ConvergenceWarning
+
+    arr = _as_matrix(x)
+    k = _check_k(k, arr.shape[0])
+    with warnings.catch_warnings():
+        # Fewer distinct rows than k: sklearn warns and leaves clusters empty; cluster_sketches drops them.
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        km = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(arr)
+    labels = km.labels_.astype(np.int32)
+    centroids = np.asarray(km.cluster_centers_, dtype=np.float32)
+    return labels, _sq_distance(arr, labels, centroids), centroids
+
+
+def _sq_distance(x: np.ndarray, labels: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """``|x_i - centroid[labels[i]]|^2``, float32 (N,), as the published ``_pairwise_sqdist_to_centers`` (float32
+    difference, then its squared norm); in chunks, so the (rows x d) difference stays bounded."""
+    out = np.empty(x.shape[0], dtype=np.float32)
+    for lo in range(0, x.shape[0], _CHUNK_ROWS):
+        diff = x[lo : lo + _CHUNK_ROWS] - centroids[labels[lo : lo + _CHUNK_ROWS]]
+        out[lo : lo + _CHUNK_ROWS] = np.einsum("nd,nd->n", diff, diff)
+    return out
+
+
+def _centre_distances(x: np.ndarray, centroids: np.ndarray, metric: str) -> np.ndarray:
+    """Distances of rows to every centroid, float32 (M, K).
+
+    ``sqeuclidean``: ``|x|^2 + |c|^2 - 2 x.c``, the published ``_sqdist_matrix_chunk`` (same float32 rounding);
+    ``cosine``: ``1 - x.c`` for unit rows and unit centroids."""
+    dots = x @ centroids.T
+    if metric == "cosine":
+        return 1.0 - dots
+    x2 = np.sum(x * x, axis=1, keepdims=True)
+    c2 = np.sum(centroids * centroids, axis=1, keepdims=True).T
+    return x2 + c2 - 2.0 * dots
+
+
+def _candidates(x: np.ndarray, centroids: np.ndarray, metric: str, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``t`` nearest centroids, nearest first (ties: lower centroid index), chunked.
+
+    Returns (indices int64 (M, t), distances float32 (M, t))."""
+    idx = np.empty((x.shape[0], t), dtype=np.int64)
+    dist = np.empty((x.shape[0], t), dtype=np.float32)
+    for lo in range(0, x.shape[0], _CHUNK_ROWS):
+        d = _centre_distances(x[lo : lo + _CHUNK_ROWS], centroids, metric)
+        order = np.argsort(d, axis=1, kind="stable")[:, :t]
+        idx[lo : lo + _CHUNK_ROWS] = order
+        dist[lo : lo + _CHUNK_ROWS] = np.take_along_axis(d, order, axis=1)
+    return idx, dist
+
+
+def _greedy_capped(cand: np.ndarray, time: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """First-come greedy assignment under capacities, computed in rounds instead of one event at a time.
+
+    The rule (the published loop): events (row, candidate) happen in ``time`` order; a row not yet placed takes
+    the candidate if that cluster still has room. Equivalently each row takes its first candidate whose cluster
+    was not full at that event's time. Knowing the fill times of some clusters, every row tentatively takes its
+    first candidate not full at that time; the earliest tentative fill among the other clusters is then exact
+    (before it, the tentative and the sequential runs place every row alike), so it is fixed and the round
+    repeats: at most K rounds of O(M t) array work, where the loop costs O(M t) Python steps.
+
+    Args:
+        cand: int (M, t) candidate clusters of each row, in the row's order of preference.
+        time: int64 (M, t) time of each event, non-decreasing along a row; two rows never share a time.
+        room: int (K,) places left in each cluster.
+
+    Returns:
+        int64 (M,) the cluster each row takes, -1 where every candidate was full at its time.
+    """
+    m, k = cand.shape[0], room.shape[0]
+    rows = np.arange(m)
+    fixed = room <= 0
+    fill = np.where(fixed, -1, np.iinfo(np.int64).max)  # time of a cluster's filling event; later ones refused
+    while True:
+        ok = time <= fill[cand]
+        first = np.argmax(ok, axis=1)
+        took = ok[rows, first]
+        lab = np.where(took, cand[rows, first], -1)
+        free = took & ~fixed[np.maximum(lab, 0)]
+        cl, at = lab[free], time[rows, first][free]
+        counts = np.bincount(cl, minlength=k)
+        over = np.flatnonzero(~fixed & (counts >= room))
+        if over.size == 0:
+            return lab
+        mine = np.isin(cl, over)  # only the overflowing clusters' events need sorting
+        cl, at = cl[mine], at[mine]
+        srt = np.lexsort((at, cl))
+        starts = np.searchsorted(cl[srt], over)
+        when = at[srt][starts + room[over] - 1]  # the event that used a cluster's last place
+        j = int(np.argmin(when))
+        fill[over[j]], fixed[over[j]] = when[j], True
+
+
+def soft_cap_labels(x, centroids, ratio: float, metric: Literal["sqeuclidean", "cosine"] = "sqeuclidean",
+                    topk: int = _CAP_TOPK) -> tuple[np.ndarray, int]:
+    """Reassign points to fixed centroids under a soft cap on cluster sizes (``clustering.max_cluster_ratio``).
+
+    The published rule (arXiv 2609.12584; kaist-dmlab/CluSTER ``src/CluSTER/call_back.py``,
+    ``kmeans_soft_cap_fit_predict``, whose ``eps`` is ``ratio - 1``): cap = ceil(ratio * N / K) (exact decimal
+    arithmetic, see :func:`_exact`); each point's
+    ``topk`` nearest centroids; all (point, candidate) pairs sorted by distance (stable: ties by point, then
+    candidate rank); in that order a point not yet placed takes the candidate if it has fewer than ``cap``
+    points. Leftovers, in index order, take their nearest centroid with room (full search); a last resort
+    (unreachable for ratio > 1, since cap * K >= N) takes the nearest centroid. Centroids are not refitted.
+    Ties among a point's candidates go to the lower centroid index (the published code leaves them to
+    ``argpartition``/``argsort``). The sequential pair loop is replaced by the equivalent rounds of
+    :func:`_greedy_capped`.
+
+    Args:
+        x: (N, d) rows; unit rows for ``cosine``.
+        centroids: (K, d) centres; unit rows for ``cosine``.
+        ratio: cap factor, > 1.
+        metric: ``sqeuclidean`` (the published one) or ``cosine`` (``1 - x.c``, the spherical path).
+        topk: candidate centroids per point in the first pass (>= 1).
+
+    Returns:
+        (labels int32 (N,) in 0..K-1 with every cluster at most ``cap``, cap).
+
+    Raises:
+        ValueError: ratio <= 1, unknown metric, topk < 1, shape mismatch.
+    """
+    xm, cent = _as_matrix(x), _as_matrix(centroids, "centroids")
+    if not ratio > 1:
+        raise ValueError(f"ratio must be > 1, got {ratio!r}")
+    if metric not in ("sqeuclidean", "cosine") or int(topk) < 1 or cent.shape[1] != xm.shape[1]:
+        raise ValueError(f"bad soft-cap arguments: metric={metric!r}, topk={topk!r}, "
+                         f"centroids {cent.shape} for rows {xm.shape}")
+    n, k = xm.shape[0], cent.shape[0]
+    cap = math.ceil(_exact(ratio) * n / k)
+    t = min(int(topk), k)
+    idx, dist = _candidates(xm, cent, metric, t)
+    when = np.empty(n * t, dtype=np.int64)
+    when[np.argsort(dist.ravel(), kind="stable")] = np.arange(n * t)
+    labels = _greedy_capped(idx, when.reshape(n, t), np.full(k, cap, dtype=np.int64))
+    left = np.flatnonzero(labels < 0)
+    if left.size:  # every one of their topk candidates was full: search all centroids, in index order
+        room = cap - np.bincount(labels[labels >= 0], minlength=k)
+        full, _ = _candidates(xm[left], cent, metric, k)
+        step = np.broadcast_to(np.arange(left.size, dtype=np.int64)[:, None], full.shape)
+        labels[left] = _greedy_capped(full, step, room)
+    left = np.flatnonzero(labels < 0)
+    if left.size:  # the published last resort; cap * K >= N makes it unreachable for ratio > 1
+        labels[left] = np.argmin(_centre_distances(xm[left], cent, metric), axis=1)
+    return labels.astype(np.int32), cap
+
+
+def _capped(x, labels, centroids, ratio, metric) -> tuple[np.ndarray, Optional[int]]:
+    """:func:`soft_cap_labels` when the largest cluster is above ``ratio * N / K`` (the published trigger in
+    ``_kmeans_prune_equalize_interleave``), else the labels unchanged and no cap."""
+    n, k = labels.shape[0], centroids.shape[0]
+    if ratio is None or np.bincount(labels, minlength=k).max() <= _exact(ratio) * n / k:
+        return labels, None
+    return soft_cap_labels(x, centroids, ratio, metric)
+
+
+def _exact(ratio: float) -> Fraction:
+    """The ratio as the decimal the user wrote: ceil(1.1 * 100 / 2) is 55, not 56 as in floating point (the
+    published code's ``np.ceil((1.0 + eps) * (N / K))``; the two agree for its eps = 0.5)."""
+    return Fraction(repr(float(ratio)))
