@@ -29,17 +29,21 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 def init_ray(address: str | None, use_gpu: bool) -> bool:
     """Start or join Ray; returns True when this call started it (so the pipeline shuts it down).
 
+    No ``address`` and no ``$RAY_ADDRESS`` means a new local Ray (``address="local"``): a plain ``ray.init()``
+    would instead join whatever ``/tmp/ray/ray_current_cluster`` names, and a file left by a crashed
+    ``ray start`` made runs hang for minutes on a dead address. Joining a running cluster takes
+    ``--address auto`` (or ``$RAY_ADDRESS``).
+
     Raises:
-        ConfigError: the address is unreachable, or Ray could not start or connect.
+        ConfigError: the address is unreachable (checked within seconds), or Ray could not start or connect.
     """
     import ray
 
     if ray.is_initialized():
         return False
     env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        check_reachable(address)
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    check_reachable(address)
     # ray.init replaces the process's SIGTERM handler (with one that exits without a word); the caller's
     # handlers for SIGINT and SIGTERM (the CLI's: stop, say how to resume) are put back afterwards.
     main = threading.current_thread() is threading.main_thread()
@@ -47,8 +51,8 @@ def init_ray(address: str | None, use_gpu: bool) -> bool:
     try:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     except Exception as err:  # Ray raises a bare Exception when its node times out at start-up
-        raise ConfigError(f"could not {'join Ray at ' + repr(address) if address else 'start a local Ray'}: "
-                          f"{err}") from None
+        what = "start a local Ray" if address == "local" else f"join Ray at {address!r}"
+        raise ConfigError(f"could not {what}: {err}") from None
     finally:
         for sig, handler in before.items():
             if handler is not None:

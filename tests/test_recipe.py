@@ -236,3 +236,21 @@ def test_resume_refuses_a_changed_plan_and_a_missing_run(run, tmp_path, capsys):
     assert main(["run", "--resume", str(out)]) == 2
     assert "the plan computed now differs" in capsys.readouterr().err
     assert not (out / "trained.parquet").exists()
+
+
+def test_no_address_starts_a_new_local_ray_and_an_address_joins(monkeypatch):
+    """A plain ``ray.init()`` joins whatever /tmp/ray/ray_current_cluster names (a dead cluster left by a crashed
+    ``ray start`` made runs hang); without --address and $RAY_ADDRESS the run asks for a new local Ray."""
+    import ray
+
+    from ray_cluster_ft._ray import init_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert init_ray(None, use_gpu=False) is True
+    assert calls[-1]["address"] == "local" and calls[-1]["runtime_env"] == {"env_vars": {"DS_ACCELERATOR": "cpu"}}
+    assert init_ray("auto", use_gpu=True) and calls[-1]["address"] == "auto"
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    assert init_ray(None, use_gpu=False) and calls[-1]["address"] == "auto"

@@ -26,8 +26,12 @@ from ..data.collate import IGNORE_INDEX
 __all__ = ["last_layer_features", "normalise_last_layer"]
 
 
-def _valid_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _valid_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                     check_inputs: bool = True) -> torch.Tensor:
     """``(B, T - 1)`` bool: position ``t`` is real and predicts a response token ``labels[t + 1]``.
+
+    ``check_inputs=False`` skips the two value checks, each a device-to-host sync on a GPU; the sketchers
+    make them on the host arrays before upload.
 
     Raises:
         ValueError: shapes disagree, a padding token carries a label, or a row has no such position.
@@ -38,13 +42,13 @@ def _valid_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, labe
             f"{tuple(attention_mask.shape)} and labels {tuple(labels.shape)} must be the same (B, T)"
         )
     mask = attention_mask.to(torch.bool)
-    if (labels[~mask] != IGNORE_INDEX).any():
+    if check_inputs and (labels[~mask] != IGNORE_INDEX).any():
         raise ValueError("last_layer_features: a padding token (attention_mask 0) has a label other than -100")
     # Under left padding the first real token's label would be "predicted" from a pad position, which an
     # unpadded run never does: only real predicting positions count (as in projection.sketch_batch).
     valid = (labels[:, 1:] != IGNORE_INDEX) & mask[:, :-1]
     empty = valid.sum(dim=1) == 0
-    if empty.any():
+    if check_inputs and empty.any():
         bad = torch.nonzero(empty).flatten().tolist()
         raise ValueError(f"last_layer_features: rows {bad} have no response token after the label shift")
     return valid
@@ -82,7 +86,8 @@ def _head_inputs_and_logits(model: nn.Module, input_ids, attention_mask, sel) ->
 
 
 def last_layer_features(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CluSTER's per-example last-layer gradient proxy ``g_i`` of a padded batch, one forward, no backward.
 
@@ -99,6 +104,8 @@ def last_layer_features(
         input_ids: ``(B, T)`` int64 token ids.
         attention_mask: ``(B, T)`` 1 for real tokens, 0 for padding (either side).
         labels: ``(B, T)`` int64, ``-100`` at prompt and padding tokens.
+        check_inputs: check on the device that padding carries no label and every row has a response token
+            (False when the caller checked the host arrays: the checks cost a sync each on a GPU).
 
     Returns:
         ``(features, losses)``: float32 ``(B, H)`` (``H`` = the head's input size, the hidden size) and
@@ -109,7 +116,7 @@ def last_layer_features(
         ValueError: shapes disagree, a padding token carries a label, or an example has no response token
             after the shift.
     """
-    valid = _valid_positions(input_ids, attention_mask, labels)
+    valid = _valid_positions(input_ids, attention_mask, labels, check_inputs)
     with torch.inference_mode():
         sel = valid.nonzero(as_tuple=True)  # (rows, positions) with a loss, row-major
         h, logits = _head_inputs_and_logits(model, input_ids, attention_mask, sel)

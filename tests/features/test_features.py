@@ -98,6 +98,26 @@ def test_factorised_sketch_equals_exact_kronecker_reference(model64, dim):
     np.testing.assert_allclose(norms.numpy(), 1.0, atol=1e-6)
 
 
+def test_unchecked_path_is_bit_identical_and_the_sketcher_checks_on_the_host(model32, tiny_dir):
+    """The sketchers check label values on the host and call sketch_batch with check_inputs=False (no device
+    sync on a GPU); that path masks unconditionally, which must not change a single bit."""
+    mods = select_modules(model32, ["down_proj", "q_proj"], last_blocks=2)
+    proj = make_projector(mods, 4, 4, 16, seed=3)
+    for lengths in ([9, 9, 9], [9, 5, 7]):  # no padding at all, and padding
+        batch = _pad(*_examples(lengths, [3, 2, 4], seed=5), "right")
+        a, la = sketch_batch(model32, mods, proj, *batch)
+        b, lb = sketch_batch(model32, mods, proj, *batch, check_inputs=False)
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    sk = GradientSketcher(str(tiny_dir), {"modules": ["down_proj"], "last_blocks": 1, "k_in": 2, "k_out": 2,
+                                          "dim": 4}, device="cpu")
+    rows, labels = _examples([6, 5], [2, 5])  # the second row is all prompt
+    ragged = lambda xs: np.array(xs + [None], dtype=object)[:-1]  # noqa: E731 - a 1-D column of arrays
+    batch = {"example_id": np.array(["a", "b"]), "input_ids": ragged(rows), "labels": ragged(labels),
+             "n_tokens": np.array([6, 5])}
+    with pytest.raises(ValueError, match=r"GradientSketcher: rows \[1\] have no response token"):
+        sk(batch)
+
+
 def test_requires_grad_restored_and_no_weight_grads(model64):
     mods = select_modules(model64, ["down_proj"], last_blocks=1)
     proj = make_projector(mods, 2, 2, 8, seed=0, dtype=torch.float64)
@@ -270,7 +290,7 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
     # Left-overs of an older layout and of a killed writer: removed before sketching.
     pq.write_table(pa.table({"example_id": ["stale"]}), out_dir / "part-0.parquet")
     (out_dir / ".shard-00001-abc.parquet.1234.tmp").write_bytes(b"half")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         # Default pool: one actor per CPU, one CPU left free in all for Ray Data's own tasks.
         assert sketch_mod._actor_resources(SketchConfig(), use_gpu=False) == (2, 0.5)
