@@ -12,13 +12,16 @@ The stages, one module or package each, every one a ``run(cfg, run_dir, ...)`` t
   k-center picks; :mod:`ray_cluster_ft.allocate`: the rank x step plan (pure algorithms, no Ray);
 * :mod:`ray_cluster_ft.train`: Ray Train + DeepSpeed workers that train exactly their planned rows;
 * :mod:`ray_cluster_ft.evaluate`: held-out loss, multiple-choice accuracy, pass@1;
-* :func:`run_pipeline` (:mod:`ray_cluster_ft.recipe`) runs them in order; ``ray-cluster-ft`` is the CLI.
+* :func:`run_pipeline` (:mod:`ray_cluster_ft.recipe`) runs them in order; ``ray-cluster-ft`` is the CLI;
+* :func:`compute_features` and :func:`select_and_plan` (:mod:`ray_cluster_ft.api`): the same features, clusters,
+  selection and plan as a library, with no run directory.
 
 The stage packages keep their names (``ray_cluster_ft.train`` is the package, its driver is
 ``ray_cluster_ft.train.train``). Configs are pydantic models (:class:`JobConfig` and its sections), read from YAML by :func:`load_config`.
 """
 
 from .allocate import PlanResult, check_plan, make_plan, plan_metrics
+from .api import Features, Plan, compute_features, select_and_plan
 from .clustering import ClusterResult, cluster_sketches
 from .config import (
     AllocationConfig,
@@ -51,10 +54,12 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvaluationConfig",
+    "Features",
     "JobConfig",
     "LoraConfig",
     "ModelConfig",
     "OutputConfig",
+    "Plan",
     "PlanResult",
     "SelectionConfig",
     "SelectionResult",
@@ -64,6 +69,7 @@ __all__ = [
     "check_plan",
     "cluster_sketches",
     "collate",
+    "compute_features",
     "compute_sketches",
     "load_config",
     "load_examples",
@@ -72,4 +78,5 @@ __all__ = [
     "plan_metrics",
     "read_sketches",
     "run_pipeline",
+    "select_and_plan",
 ]

@@ -1,4 +1,5 @@
-"""ray-cluster-ft command line: run a job spec, resume a stopped run, run the demo, check a spec."""
+"""ray-cluster-ft command line: run a job spec, resume a stopped run, run the demo, check a spec, export the
+selected rows."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
     run.add_argument("--plan-only", action="store_true",
                      help="stop after the allocation plan: data, sketches, clusters, selection and plan only")
+    sel = sub.add_parser("select", help="data, features, clusters, selection and plan (as run --plan-only), then "
+                                        "the selected rows as they were read: selected.jsonl, selected.parquet")
+    sel.add_argument("config", help="job spec (YAML)")
+    sel.add_argument("--output", help="run directory (overrides output.dir)")
+    sel.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
     demo = sub.add_parser("demo", help="run the built-in demo (SmolLM2-135M on HumanEval + MMLU medical)")
     demo.add_argument("--output", help="run directory (default runs/demo)")
     demo.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
@@ -97,15 +103,22 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(cfg.output.dir).expanduser().resolve()
         from .recipe import run_pipeline
 
+        selecting = args.command == "select"
         with _stop_on_signals():
-            manifest = run_pipeline(cfg, address=args.address, plan_only=getattr(args, "plan_only", False),
-                                    resume=bool(resume))
+            manifest = run_pipeline(cfg, address=args.address,
+                                    plan_only=selecting or getattr(args, "plan_only", False), resume=bool(resume))
+            if selecting:
+                from .api import write_selected
+
+                selected = write_selected(cfg, run_dir)
     except (ConfigError, FileNotFoundError) as err:
         print(f"ray-cluster-ft: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # the recipe shut Ray down (workers stopped); no traceback
         signum = getattr(err, "signum", signal.SIGINT)
         where = f"`ray-cluster-ft run --resume {run_dir}`" if run_dir else "`ray-cluster-ft run --resume RUN_DIR`"
+        if args.command == "select":  # --resume would go on to train: the same command again (shards are kept)
+            where = f"`ray-cluster-ft select {args.config} --output {run_dir}`"
         print(f"ray-cluster-ft: interrupted ({signal.Signals(signum).name}); continue the run with {where}",
               file=sys.stderr)
         return 128 + signum
@@ -117,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         b, a = ev["before"]["all"]["loss"], ev["after"]["all"]["loss"]
         print(f"[ray-cluster-ft] held-out loss {b:.4f} -> {a:.4f}")
     print(f"[ray-cluster-ft] report: {Path(manifest['run_dir']) / 'report.md'}")
+    if selecting:
+        print(f"[ray-cluster-ft] selected rows: {selected[0]} and {selected[1]} (with cluster, weight, example_id, "
+              f"and the rank and step of each row's first planned appearance)")
     return 0
 
 

@@ -32,9 +32,9 @@ from .capped_kmeans import (  # noqa: F401 - re-exported
     _as_matrix,
     _capped,
     _centre_distances,
-    _sq_distance,
     _check_k,
     _exact,
+    _sq_distance,
     euclidean_kmeans,
     soft_cap_labels,
 )
@@ -50,6 +50,7 @@ __all__ = [
     "soft_cap_labels",
     "merge_small_clusters",
     "cluster_sketches",
+    "cluster_with_config",
 ]
 
 
@@ -429,6 +430,32 @@ def clustering_warning(k: int, n_merged: int, world_size: int, min_cluster_size:
             f"smaller clustering.min_cluster_size or a larger clustering.k")
 
 
+def cluster_with_config(cfg, example_ids, sketches) -> tuple:
+    """The pure part of :func:`run` (also :func:`ray_cluster_ft.select_and_plan`'s): :func:`cluster_sketches`
+    with the job's ``clustering`` settings and world size, and the ``clusters.parquet`` table. No I/O.
+
+    Args:
+        cfg: the job config (``clustering`` section; ``train.num_workers``).
+        example_ids: str ``(N,)`` candidate ids, in the order of ``sketches``.
+        sketches: float ``(N, d)``.
+
+    Returns:
+        ``(ClusterResult, pyarrow.Table)``: the table has ``example_id`` (string), ``cluster`` (int32),
+        ``distance`` (float32).
+
+    Raises:
+        ValueError: as :func:`cluster_sketches`.
+    """
+    import pyarrow as pa
+
+    c = cfg.clustering
+    res = cluster_sketches(sketches, c.k, cfg.train.num_workers, c.seed, c.min_cluster_size, algorithm=c.algorithm,
+                           max_cluster_ratio=c.max_cluster_ratio)
+    table = pa.table({"example_id": example_ids, "cluster": res.labels.astype(np.int32),
+                      "distance": res.dist.astype(np.float32)})
+    return res, table
+
+
 def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, resume: bool = False) -> tuple:
     """The cluster stage's edge: :func:`cluster_sketches` on the features, ``clusters.parquet`` written
     (``example_id``, ``cluster`` int32, ``distance`` float32 to the final centroid: ``1 - cos`` for
@@ -450,17 +477,13 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
     Raises:
         ConfigError: (``resume``) the assignment changed.
     """
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from .rundir import claim, same_as_before
 
     c = cfg.clustering
     W = cfg.train.num_workers
-    res = cluster_sketches(sketches, c.k, W, c.seed, c.min_cluster_size, algorithm=c.algorithm,
-                           max_cluster_ratio=c.max_cluster_ratio)
-    table = pa.table({"example_id": example_ids, "cluster": res.labels.astype(np.int32),
-                      "distance": res.dist.astype(np.float32)})
+    res, table = cluster_with_config(cfg, example_ids, sketches)
     if resume:
         same_as_before(run_dir / "clusters.parquet", table, ["example_id", "cluster"])
     pq.write_table(table, claim(run_dir, "clusters.parquet"))

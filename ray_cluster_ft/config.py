@@ -112,6 +112,9 @@ class ModelConfig(_Section):
 
     path: str = "demo"
     trust_remote_code: bool = False
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="attention kernel of the trained model (flash_attention_2 needs the flash-attn package "
+                            "on the GPU workers)")
 
 
 class SketchConfig(_Section):
@@ -305,11 +308,23 @@ class TrainConfig(_Section):
         None, description="path to a DeepSpeed JSON merged over the generated config (its keys win)"
     )
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps; 0 = only at the end")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="auto: fp32 on CPU; on GPU bf16 where the GPU supports it (Ampere and later), else fp16 "
+                            "with dynamic loss scaling (decided on each worker's GPU); gradients accumulate in fp32")
+    gradient_checkpointing: bool | None = Field(
+        None, description="recompute activations in the backward (long sequences at 7B+); null = on with use_gpu")
     loss_weighting: Literal["cluster", "none"] | None = Field(
         None, description="cluster: weigh each example's token losses by its selection weight (n_c/N)/(s_c/S), "
                           "restoring every cluster's share of the data; none: weight 1; null = cluster for the "
                           "balanced and equalize selections, none otherwise")
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = no limit")
+
+    @model_validator(mode="after")
+    def _precision_on_its_device(self) -> "TrainConfig":
+        if self.precision == "fp16" and not self.use_gpu:
+            raise ValueError("train.precision 'fp16' needs train.use_gpu (DeepSpeed has no fp16 on the CPU); use "
+                             "fp32 or bf16")
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> "TrainConfig":

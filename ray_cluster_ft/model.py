@@ -216,13 +216,15 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(path: str, trust_remote_code: bool = False, dtype=None):
-    """Load a causal LM from ``path`` (resolved) in ``dtype`` (default fp32); remote code off by default."""
+def load_model(path: str, trust_remote_code: bool = False, dtype=None, attn_implementation: str | None = None):
+    """Load a causal LM from ``path`` (resolved) in ``dtype`` (default fp32) with ``attn_implementation``
+    (default: transformers' choice); remote code off by default."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     return AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(path), trust_remote_code=trust_remote_code, dtype=dtype or torch.float32
+        resolve_model_path(path), trust_remote_code=trust_remote_code, dtype=dtype or torch.float32, **extra
     )
 
 

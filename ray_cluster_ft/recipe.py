@@ -31,7 +31,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         cfg: the validated job config.
         address: a Ray cluster to join (``ray://`` or ``auto``); default ``$RAY_ADDRESS`` or a new local Ray.
         plan_only: stop after the allocation plan (no evaluation, no training); the manifest then has
-            ``train: null`` and ``counts.trained == 0``.
+            ``train: null`` and ``counts.trained == 0``. The local Ray need not hold ``train.num_workers``
+            workers then: a plan for any world size is made on any machine.
         resume: continue a stopped run in ``output.dir``: the deterministic stages run again (finished sketch
             shards are reused), the plan must come out identical to the stored one, the held-out scores of the
             base model are read back, and training continues from its latest checkpoint.
@@ -64,7 +65,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
 
     started_ray = init_ray(address, cfg.train.use_gpu)
     try:
-        if started_ray and not (address or os.environ.get("RAY_ADDRESS")):
+        # A plan for any world size may be made on a laptop: only training needs the workers' resources.
+        if started_ray and not plan_only and not (address or os.environ.get("RAY_ADDRESS")):
             check_local_resources(cfg)
         ids = np.asarray(cand.column("example_id").to_pylist())
         n_tokens = np.asarray(cand.column("n_tokens").to_numpy(), dtype=np.int64)

@@ -42,6 +42,7 @@ __all__ = [
     "select",
     "equalize_count",
     "selection_weights",
+    "select_with_config",
 ]
 
 
@@ -356,6 +357,12 @@ def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, di
     Raises:
         ConfigError: ``equalize`` without clusters, or with m rounding down to 0.
     """
+    return select_with_config(cfg, n_candidates=n_candidates, sketches=sketches, labels=labels, dist=dist)
+
+
+def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, dist=None) -> SelectionStage:
+    """The whole of :func:`run` (which writes nothing) as a pure function of the job config, also called by
+    :func:`ray_cluster_ft.select_and_plan`. Arguments, result and errors as :func:`run`."""
     from .config import budget_count
 
     s = cfg.selection

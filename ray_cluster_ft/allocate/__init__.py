@@ -6,7 +6,7 @@ Pure functions, no Ray, no I/O; :func:`run` is the stage's edge that writes ``pl
 
 from .metrics import check_plan, microbatch_table, plan_hash, plan_metrics
 from .plan import PLAN_COLUMNS, PlanResult, make_plan
-from .stage import AllocationStage, run
+from .stage import AllocationStage, plan_selection, run
 
 __all__ = [
     "PLAN_COLUMNS",
@@ -17,5 +17,6 @@ __all__ = [
     "microbatch_table",
     "plan_hash",
     "plan_metrics",
+    "plan_selection",
     "run",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ import pyarrow.parquet as pq
 from .metrics import plan_hash, plan_metrics
 from .plan import PlanResult, make_plan
 
-__all__ = ["AllocationStage", "run"]
+__all__ = ["AllocationStage", "plan_selection", "run"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +36,32 @@ class AllocationStage:
     baseline: pd.DataFrame | None
     metrics: dict
     weights: pd.Series
+
+
+def plan_selection(cfg, example_ids: np.ndarray, labels: np.ndarray, n_tokens: np.ndarray, selected: np.ndarray,
+                   reasons, strategy: str | None = None) -> tuple[PlanResult, pa.Table]:
+    """The plan of the selected candidates and the selection table it trains, pure (no I/O).
+
+    Args: as :func:`run`; ``strategy`` overrides ``allocation.strategy`` (the random baseline).
+
+    Returns:
+        ``(PlanResult, selection)``: ``selection`` has ``example_id`` (string), ``cluster`` (int32), ``reason``
+        and ``weight`` (float64, :func:`ray_cluster_ft.select.selection_weights` over the rows the plan keeps:
+        the budget is rounded down to whole optimizer steps there), in selection order.
+    """
+    from ..select import selection_weights
+
+    t, a = cfg.train, cfg.allocation
+    selected = np.asarray(selected)
+    sel_ids, sel_labels = example_ids[selected], labels[selected]
+    res = make_plan(sel_ids, sel_labels, n_tokens[selected], t.num_workers, t.micro_batch_size, t.grad_accum,
+                    t.epochs, strategy=strategy or a.strategy, seed=a.seed, pad_tolerance=a.pad_tolerance)
+    keep = np.isin(sel_ids, res.plan["example_id"].unique())
+    weight = selection_weights(labels, selected[keep], cfg.selection.strategy)
+    table = pa.table({"example_id": pa.array(sel_ids[keep].tolist(), type=pa.string()),
+                      "cluster": sel_labels[keep].astype(np.int32), "reason": np.asarray(reasons)[keep],
+                      "weight": weight.astype(np.float64)})
+    return res, table
 
 
 def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_tokens: np.ndarray,
@@ -60,31 +85,22 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
         ConfigError: the plan differs from the stopped run's.
     """
     from ..config import ConfigError
+    from ..rundir import claim
 
-    t = cfg.train
-    W = t.num_workers
-    sel_ids, sel_labels = example_ids[selected], labels[selected]
-    plan_for = partial(make_plan, sel_ids, sel_labels, n_tokens[selected], W, t.micro_batch_size, t.grad_accum,
-                       t.epochs, seed=cfg.allocation.seed, pad_tolerance=cfg.allocation.pad_tolerance)
-    res = plan_for(strategy=cfg.allocation.strategy)
+    W = cfg.train.num_workers
+    res, selection = plan_selection(cfg, example_ids, labels, n_tokens, selected, reasons)
     plan = res.plan
     if expected_plan_hash is not None and plan_hash(plan) != expected_plan_hash:
         raise ConfigError(f"--resume: the plan computed now differs from the one in {run_dir / 'plan.parquet'}; the "
                           f"data, the config or a package changed. Start a fresh run directory.")
-    from ..rundir import claim
-
     plan.to_parquet(claim(run_dir, "plan.parquet", "selection.parquet"), index=False)
-    from ..select import selection_weights
-
-    keep = np.isin(sel_ids, plan["example_id"].unique())
-    weight = selection_weights(labels, np.asarray(selected)[keep], cfg.selection.strategy)
-    pq.write_table(pa.table({"example_id": sel_ids[keep], "cluster": sel_labels[keep].astype(np.int32),
-                             "reason": np.asarray(reasons)[keep], "weight": weight.astype(np.float64)}),
-                   run_dir / "selection.parquet")
+    pq.write_table(selection, run_dir / "selection.parquet")
     metrics = {cfg.allocation.strategy: plan_metrics(plan, W)}
     baseline = None
     if cfg.allocation.strategy != "random":
-        baseline = plan_for(strategy="random").plan
+        baseline = plan_selection(cfg, example_ids, labels, n_tokens, selected, reasons, strategy="random")[0].plan
         metrics["random (baseline)"] = plan_metrics(baseline, W)
     print(f"[ray-cluster-ft] plan: {json.dumps(metrics, default=float)}", flush=True)
-    return AllocationStage(plan, res, baseline, metrics, pd.Series(weight, index=sel_ids[keep], dtype=np.float64))
+    weights = pd.Series(selection.column("weight").to_numpy(), index=selection.column("example_id").to_pylist(),
+                        dtype=np.float64)
+    return AllocationStage(plan, res, baseline, metrics, weights)

@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..config import JobConfig
-from .tasks import eval_tasks
 from .metrics import choice_logprobs, heldout_loss, mc_result, pass_at_1
+from .tasks import eval_tasks
 
 __all__ = [
     "evaluate_tasks",

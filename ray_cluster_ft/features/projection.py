@@ -270,14 +270,8 @@ def _no_autocast(device_type: str):
 # the backward share per-call state (projected inputs, blocks, leaves); split apart, that state would have to
 # travel through a dozen arguments on the hot path.
 def sketch_batch(
-    model: nn.Module,
-    modules: Sequence[tuple[str, nn.Linear]],
-    projector: Projector,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    labels: torch.Tensor,
-    normalize: bool = True,
-    check_inputs: bool = True,
+    model: nn.Module, modules: Sequence[tuple[str, nn.Linear]], projector: Projector, input_ids: torch.Tensor,
+    attention_mask: torch.Tensor, labels: torch.Tensor, normalize: bool = True, check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-example gradient sketches of a padded batch: one forward, one activation-only backward.
 
@@ -317,8 +311,6 @@ def sketch_batch(
         )
     _check_projector(modules, projector)
     mask = attention_mask.to(torch.bool)
-    # Each value check is a device-to-host sync on a GPU: the sketchers check the host arrays before upload
-    # and pass check_inputs=False.
     if check_inputs and (labels[~mask] != IGNORE_INDEX).any():
         raise ValueError("sketch_batch: a padding token (attention_mask 0) has a label other than -100")
     target = labels[:, 1:]
@@ -332,9 +324,7 @@ def sketch_batch(
 
     device_type = input_ids.device.type
     pdtype = projector.dtype
-    # Masking x_p (and delta_p) only matters when there is padding; a full batch skips two multiplies a module.
-    # Without input checks (the GPU path) the mask is applied unasked: a multiply by 1 is exact and costs less
-    # than the sync that finding out would.
+    # Only padding needs the mask; unchecked (GPU) it is applied unasked: x * 1 is exact, a sync is not free.
     maskf = None if check_inputs and bool(mask.all()) else mask.to(pdtype).unsqueeze(-1)
     n_mod = len(modules)
     xs: list[torch.Tensor | None] = [None] * n_mod

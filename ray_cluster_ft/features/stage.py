@@ -38,6 +38,7 @@ __all__ = [
     "ShardSketcher",
     "compute_sketches",
     "FeatureStage",
+    "finish_features",
     "run",
 ]
 
@@ -329,13 +330,37 @@ def run(cfg, run_dir: Path, train, tokenizer, timer) -> FeatureStage:
         summary.update(model=sketch_model, retokenized=sk_inputs.retokenized)
         sk = read_sketches(str(sketch_dir))
         ids = np.asarray(train.column("example_id").to_pylist())
-        if len(sk["example_id"]) != len(ids) or len(set(sk["example_id"])) != len(ids):
-            raise RuntimeError(f"sketch stage produced {len(sk['example_id'])} sketches for {len(ids)} examples")
-        order = pd.Series(np.arange(len(ids)), index=ids).loc[sk["example_id"]].to_numpy()
-        sketches = np.empty((len(ids), sk["sketch"].shape[1]), dtype=np.float32)
-        sketches[order] = sk["sketch"]
-        if cfg.sketch.method == "last_layer":
-            w = cfg.train.num_workers
-            sketches = normalise_last_layer(sketches, w)
-            summary["normalisation"] = "l2_rows" if w > 1 else "mean_centred"
+        sketches, normalisation = finish_features(sk, ids, cfg.sketch.method, cfg.train.num_workers)
+        if normalisation is not None:
+            summary["normalisation"] = normalisation
     return FeatureStage(sketches, summary)
+
+
+def finish_features(sk: dict, example_ids, method: str, world_size: int) -> tuple[np.ndarray, str | None]:
+    """The feature stage's post-processing of the sketches read back, shared with
+    :func:`ray_cluster_ft.compute_features` so both give the same features: rows put in the order of
+    ``example_ids``, then for ``last_layer`` the published world-size normalisation (:func:`normalise_last_layer`).
+
+    Args:
+        sk: :func:`~ray_cluster_ft.features.read_sketches`' dict (``example_id`` (N,), ``sketch`` (N, d)), any
+            row order.
+        example_ids: str ``(N,)`` the order wanted.
+        method: ``sketch.method``.
+        world_size: ``train.num_workers`` (used by ``last_layer`` only).
+
+    Returns:
+        ``(features, normalisation)``: float32 ``(N, d)``, row i the feature of ``example_ids[i]``; ``"l2_rows"``,
+        ``"mean_centred"`` or ``None`` (nothing applied).
+
+    Raises:
+        RuntimeError: not exactly one sketch per example id.
+    """
+    ids = np.asarray(example_ids)
+    if len(sk["example_id"]) != len(ids) or len(set(sk["example_id"])) != len(ids):
+        raise RuntimeError(f"sketch stage produced {len(sk['example_id'])} sketches for {len(ids)} examples")
+    order = pd.Series(np.arange(len(ids)), index=ids).loc[sk["example_id"]].to_numpy()
+    sketches = np.empty((len(ids), sk["sketch"].shape[1]), dtype=np.float32)
+    sketches[order] = sk["sketch"]
+    if method != "last_layer":
+        return sketches, None
+    return normalise_last_layer(sketches, world_size), "l2_rows" if world_size > 1 else "mean_centred"

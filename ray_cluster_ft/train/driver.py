@@ -15,7 +15,7 @@ import pyarrow as pa
 from ..allocate import check_plan
 from ..config import TrainConfig
 from .checkpoints import newest_complete_checkpoint, prune_checkpoints
-from .deepspeed import build_deepspeed_config
+from .deepspeed import build_deepspeed_config, precision_for
 from .loop import FAIL_AT_STEP_ENV, train_loop_per_worker
 from .rank_data import _KEY, TRAINED_COLUMNS, build_rank_tables, plan_hash
 
@@ -154,6 +154,7 @@ def train(
     pad_token_id: int = 0,
     resume: bool = False,
     weights: pd.Series | None = None,
+    attn_implementation: str | None = None,
 ) -> TrainResult:
     """Train ``model_path`` on exactly the planned micro-batches with Ray Train + DeepSpeed.
 
@@ -173,6 +174,8 @@ def train(
         trust_remote_code: passed to ``from_pretrained``.
         save_model: write ``run_dir/final_model`` (HF format + tokenizer).
         pad_token_id: id used to right-pad micro-batches (masked out of attention and loss).
+        attn_implementation: the model's attention kernel (``model.attn_implementation``); ``None`` = the
+            library's choice.
         weights: per-example loss weights indexed by ``example_id`` (the selection weights, for
             ``train.loss_weighting: cluster``); ``None`` weighs every example 1. Either way the loss is
             token-exact (:mod:`ray_cluster_ft.train.step`).
@@ -227,6 +230,9 @@ def train(
     trainer = _trainer(cfg, tables, run_dir, {
         "train": cfg.model_dump(),
         "ds_config": build_deepspeed_config(cfg, total_steps),
+        "precision": precision_for(cfg),
+        "gradient_checkpointing": cfg.use_gpu if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing,
+        "attn_implementation": attn_implementation,
         "model_dir": model_dir,
         "trust_remote_code": trust_remote_code,
         "run_dir": str(run_dir),
@@ -323,5 +329,6 @@ def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_p
     planned = candidates.filter(pa.array(np.isin(ids, plan["example_id"].unique())))
     res = train(plan, planned, cfg.train, model_path, run_dir, trust_remote_code=cfg.model.trust_remote_code,
                 save_model=cfg.output.save_model, pad_token_id=pad_token_id, resume=resume,
-                weights=weights if cfg.train.loss_weighting == "cluster" else None)
+                weights=weights if cfg.train.loss_weighting == "cluster" else None,
+                attn_implementation=cfg.model.attn_implementation)
     return res

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .deepspeed import _disable_shm_comm, _make_scheduler
+from .deepspeed import _disable_shm_comm, _make_scheduler, resolve_precision
 from .rank_data import _KEY
 from .step import ForwardTimer, micro_batch_to_device, train_micro_batch
 
@@ -124,8 +124,10 @@ def _namespace(d: dict) -> SimpleNamespace:
 
 
 def _build_engine(config: dict, cfg: SimpleNamespace):
-    """Load the model (bf16 on GPU), wrap LoRA adapters if configured, and ``deepspeed.initialize`` it with the
-    driver's DeepSpeed dict and the client LR schedule. Returns ``(engine, load_seconds, init_seconds)``."""
+    """Load the model in the run's precision (bf16/fp16 straight onto the GPU's dtype, fp32 on CPU), turn on
+    gradient checkpointing if asked, wrap LoRA adapters if configured, and ``deepspeed.initialize`` it with the
+    driver's DeepSpeed dict (``auto`` precision settled on this worker's GPU) and the client LR schedule.
+    Returns ``(engine, load_seconds, init_seconds, precision)``."""
     import deepspeed
     import torch
 
@@ -133,10 +135,16 @@ def _build_engine(config: dict, cfg: SimpleNamespace):
 
     _disable_shm_comm()
     t0 = time.perf_counter()
-    # bf16 weights on GPU: a 7B model in fp32 would need 28 GB per rank before ZeRO shards it (DeepSpeed keeps
-    # its own fp32 master copy in the optimizer state).
-    model = load_model(config["model_dir"], trust_remote_code=config["trust_remote_code"],
-                       dtype=torch.bfloat16 if cfg.use_gpu else torch.float32)
+    ds, precision = config["ds_config"], config["precision"]
+    if cfg.use_gpu:
+        ds, precision = resolve_precision(ds, precision, torch.cuda.is_bf16_supported())
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    model = load_model(config["model_dir"], trust_remote_code=config["trust_remote_code"], dtype=dtype,
+                       attn_implementation=config.get("attn_implementation"))
+    if config.get("gradient_checkpointing"):
+        # Non-reentrant checkpointing also works with frozen inputs (LoRA) and with ZeRO-3's hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
     if cfg.lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -148,10 +156,10 @@ def _build_engine(config: dict, cfg: SimpleNamespace):
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=config["ds_config"],
+        config=ds,
         lr_scheduler=partial(_make_scheduler, warmup_steps=cfg.warmup_steps, total_steps=config["total_steps"]),
     )
-    return engine, t_load, time.perf_counter() - t0
+    return engine, t_load, time.perf_counter() - t0, precision
 
 
 def _end_of_step(loss_acc, tokens: tuple[int, int], step_time: float, fwd_s: float, rank: int, world: int,
@@ -217,13 +225,14 @@ def train_loop_per_worker(config: dict) -> None:
     fail_at = int(config["fail_at_step"] or 0)
     torch.manual_seed(cfg.seed)
 
-    engine, t_load, t_init = _build_engine(config, cfg)
+    engine, t_load, t_init, precision = _build_engine(config, cfg)
     engine.train()
     device = engine.device
     start = _restore(engine, rank, config["plan_hash"], config.get("resume_checkpoint"))
     if rank == 0:
         print(f"[train] model loaded in {t_load:.1f}s, deepspeed.initialize done at {t_init:.1f}s "
-              f"(ZeRO-{cfg.zero_stage}{', LoRA' if cfg.lora.enabled else ''}, world {world}, {total_steps} steps)"
+              f"(ZeRO-{cfg.zero_stage}, {precision}{', LoRA' if cfg.lora.enabled else ''}, world {world}, "
+              f"{total_steps} steps)"
               + (f"; resumed after step {start // ga}" if start else ""), flush=True)
 
     trained_path = run_dir / "trained" / f"rank{rank}.jsonl"

@@ -14,6 +14,7 @@ DeepSpeed steps the optimizer every ``G`` micro-batches; each call here is one m
 from __future__ import annotations
 
 import time
+
 import numpy as np
 
 from ..data.collate import IGNORE_INDEX, collate

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from ray_cluster_ft.allocate import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
-README_PATHS = (ROOT / "README.md", ROOT / "docs" / "_readme_integrations.md")
+README_PATHS = (ROOT / "README.md",)
 PATHS_LINE = 'run_dir, model_path = "runs/demo", "HuggingFaceTB/SmolLM2-135M-Instruct"'
 
 
@@ -80,8 +80,8 @@ def free_port() -> int:
 
 
 def readme_example(name: str, run_dir: Path, model_path: str | Path) -> str:
-    """The README code block that starts with ``# example: {name}`` (README.md, else the section draft in
-    docs/_readme_integrations.md), with its paths line pointed at ``run_dir`` and ``model_path``."""
+    """The README code block that starts with ``# example: {name}``, with its paths line pointed at ``run_dir``
+    and ``model_path``."""
     for path in README_PATHS:
         if not path.exists():
             continue

@@ -1,0 +1,422 @@
+"""The library API: features of your own rows, then clusters, selection and plan, with no run directory.
+
+:func:`compute_features` and :func:`select_and_plan` call the very functions the stages call (the feature
+stage's sketchers and post-processing, :func:`~ray_cluster_ft.clustering.cluster_with_config`,
+:func:`~ray_cluster_ft.select.select_with_config`, :func:`~ray_cluster_ft.allocate.make_plan`), so for the same
+features they give what ``ray-cluster-ft run --plan-only`` writes. :func:`write_selected` is the ``select``
+command's export of the selected rows as they were read.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .config import (
+    DataConfig,
+    JobConfig,
+    SketchConfig,
+    check_against_data,
+    needs_clusters,
+)
+
+__all__ = ["Features", "Plan", "compute_features", "select_and_plan", "write_selected"]
+
+
+@dataclass(frozen=True)
+class Features:
+    """Per-example features, in the order of the rows given to :func:`compute_features`.
+
+    Attributes:
+        example_id: str ``(N,)``: :func:`ray_cluster_ft.data.example_id` of each row (a hash of its messages).
+        features: float32 ``(N, d)``: ``d`` = ``sketch.dim`` (gradient), the hidden size (last_layer) or 384
+            (embedding).
+        n_tokens: int64 ``(N,)``: tokens of each row under the model's chat template.
+    """
+
+    example_id: np.ndarray
+    features: np.ndarray
+    n_tokens: np.ndarray
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The selection and the rank x step plan of :func:`select_and_plan`.
+
+    Attributes:
+        clusters: ``clusters.parquet``'s content (``example_id``, ``cluster`` int32, ``distance`` float32), one
+            row per candidate; ``None`` when the config clusters nothing (``random``/``full`` selection with
+            ``random``/``length`` allocation).
+        selection: ``selection.parquet``'s content: ``example_id``, ``cluster`` int32, ``reason`` str,
+            ``weight`` float64 (mean 1), the selected rows the plan trains.
+        plan: ``plan.parquet``'s content (:data:`ray_cluster_ft.allocate.PLAN_COLUMNS`), in each rank's order.
+        metrics: :func:`ray_cluster_ft.allocate.plan_metrics` of the plan (floats).
+    """
+
+    clusters: pd.DataFrame | None
+    selection: pd.DataFrame
+    plan: pd.DataFrame
+    metrics: dict
+
+
+def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *, world_size: int | None = None,
+                     work_dir: str | None = None) -> Features:
+    """The feature of every row, as the feature stage computes it (``sketch.method``: gradient sketch,
+    last-layer proxy or embedding), without a run directory.
+
+    Without Ray (``ray.is_initialized()`` false) it runs in this process: the sketcher of
+    :func:`~ray_cluster_ft.features.make_sketcher` over consecutive chunks of ``8 x sketch.batch_size`` rows
+    (the feature stage's shards, so the sub-batches and their padding are the same), each sorted by length
+    inside. On Ray it calls :func:`~ray_cluster_ft.features.compute_sketches` (an actor pool) into a temporary
+    folder under ``work_dir``. Either way the rows then get the stage's post-processing
+    (:func:`~ray_cluster_ft.features.stage.finish_features`: for ``last_layer`` the world-size normalisation).
+
+    Args:
+        rows_or_table: a list of row dicts in any accepted format (``messages``, ``prompt`` + ``response``,
+            ``question`` + ``answer``), tokenized here with the model's chat template (``cfg.data``'s
+            ``max_seq_len`` and ``overlong`` for a :class:`JobConfig`, the defaults otherwise); or a
+            ``pyarrow.Table`` already tokenized (``example_id``, ``input_ids``, ``labels``, ``n_tokens`` as in
+            :data:`ray_cluster_ft.data.EXAMPLE_SCHEMA`, plus ``text`` for ``sketch.method: embedding``).
+        model: the model to tokenize and sketch with: ``demo``, a local folder or a hub id. For ``embedding``
+            it only counts tokens; the encoder is ``sketch.model`` or the packaged all-MiniLM-L6-v2.
+        cfg: a :class:`JobConfig` (its ``sketch``, ``data``, ``model.trust_remote_code``, ``train.num_workers``
+            and ``train.use_gpu`` apply) or a :class:`SketchConfig`.
+        world_size: the world size of the ``last_layer`` normalisation; default ``cfg.train.num_workers``
+            (required for ``last_layer`` with a :class:`SketchConfig`).
+        work_dir: parent of the temporary shard folder on Ray (default the system's temp folder); on a
+            multi-node cluster it must be storage every node writes to.
+
+    Returns:
+        :class:`Features`: ``example_id`` str ``(N,)``, ``features`` float32 ``(N, d)``, ``n_tokens`` int64
+        ``(N,)``, row i for input row i.
+
+    Raises:
+        TypeError: ``cfg`` is neither a JobConfig nor a SketchConfig, or ``rows_or_table`` neither rows nor a
+            table.
+        ValueError: no rows; a row that the data stage would reject (named by position and reason); two rows
+            with the same content; missing table columns; ``sketch.warmup_steps`` (not done here) or a proxy
+            ``sketch.model`` for ``gradient``/``last_layer`` (pass it as ``model``); ``last_layer`` without a
+            world size.
+        FileNotFoundError: the model (or the embedding package) is missing.
+    """
+    from .model import load_tokenizer, resolve_model_path
+
+    sk, job = _sketch_settings(cfg)
+    w = world_size if world_size is not None else (job.train.num_workers if job else None)
+    if sk.method == "last_layer" and w is None:
+        raise ValueError("compute_features: last_layer features depend on the world size; pass a JobConfig or "
+                         "world_size=")
+    model_path = resolve_model_path(model, "model")
+    trust = bool(job and job.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_path, trust)
+    table = _input_table(rows_or_table, tokenizer, job.data if job else DataConfig(), sk.method)
+    sketch_model = _sketch_model(sk, model_path)
+    args = (table, sketch_model, sk, trust, int(tokenizer.pad_token_id))
+    raw = _on_ray(*args, bool(job and job.train.use_gpu), work_dir) if _ray_running() else _in_process(*args)
+    from .features.stage import finish_features
+
+    ids = np.asarray(table.column("example_id").to_pylist(), dtype=object)
+    feats, _ = finish_features(raw, ids, sk.method, w or 1)
+    return Features(ids, feats, table.column("n_tokens").to_numpy().astype(np.int64))
+
+
+def _sketch_settings(cfg) -> tuple[SketchConfig, JobConfig | None]:
+    """``(sketch section, job config or None)``; refuses what compute_features does not do."""
+    if isinstance(cfg, JobConfig):
+        sk, job = cfg.sketch, cfg
+    elif isinstance(cfg, SketchConfig):
+        sk, job = cfg, None
+    else:
+        raise TypeError(f"compute_features: cfg must be a JobConfig or a SketchConfig, got {type(cfg).__name__}")
+    if sk.warmup_steps:
+        raise ValueError("compute_features does not warm up the sketch model (sketch.warmup_steps); warm it up "
+                         "with ray_cluster_ft.features.warm_up and pass the result as model")
+    if sk.model and sk.method != "embedding":
+        raise ValueError(f"compute_features sketches with its model argument; pass sketch.model {sk.model!r} as "
+                         f"model (the rows are then tokenized with its tokenizer)")
+    return sk, job
+
+
+def _sketch_model(sk: SketchConfig, model_path: str) -> str:
+    """The model the sketcher loads: the given one, or for ``embedding`` the encoder (as the feature stage)."""
+    if sk.method != "embedding":
+        return model_path
+    from .features import embedding_model_dir
+    from .model import resolve_model_path
+
+    return resolve_model_path(sk.model, "sketch.model") if sk.model else embedding_model_dir()
+
+
+def _input_table(rows_or_table, tokenizer, data: DataConfig, method: str):
+    """The sketch input table: tokenized rows (and their text for ``embedding``), checked."""
+    import pyarrow as pa
+
+    if isinstance(rows_or_table, pa.Table):
+        table = rows_or_table
+    elif isinstance(rows_or_table, Sequence) and not isinstance(rows_or_table, (str, bytes)):
+        table = _tokenize(rows_or_table, tokenizer, data)
+    else:
+        raise TypeError(f"compute_features: expected a list of row dicts or a pyarrow.Table, got "
+                        f"{type(rows_or_table).__name__}")
+    need = ["example_id", "input_ids", "labels", "n_tokens"] + (["text"] if method == "embedding" else [])
+    missing = [c for c in need if c not in table.column_names]
+    if missing:
+        raise ValueError(f"compute_features: the table lacks columns {missing} (sketch.method {method!r})")
+    if table.num_rows == 0:
+        raise ValueError("compute_features: no rows")
+    _check_unique(table.column("example_id").to_pylist())
+    return table.select(need)
+
+
+def _tokenize(rows: Sequence[Any], tokenizer, data: DataConfig, chunk: int = 2048):
+    """Rows -> ``example_id``, ``input_ids``, ``labels``, ``n_tokens``, ``text``, as the data stage reads them.
+
+    Raises:
+        ValueError: a row the data stage would reject, named by position and reason.
+    """
+    import pyarrow as pa
+
+    from .data import canonicalize, example_id, tokenize_rows
+
+    msgs = []
+    for i, row in enumerate(rows):
+        try:
+            msgs.append(canonicalize(row))
+        except ValueError as err:
+            raise ValueError(f"compute_features: row {i}: {err}") from None
+    toks: list = []
+    for lo in range(0, len(msgs), chunk):  # tokenizer memory stays bounded, as in the data stage
+        toks += tokenize_rows(msgs[lo:lo + chunk], tokenizer, data.max_seq_len, data.overlong)
+    bad = next((i for i, t in enumerate(toks) if isinstance(t, str)), None)
+    if bad is not None:
+        hint = "" if "max length" not in toks[bad] else (
+            " (raise data.max_seq_len" + (" or set data.overlong: truncate)" if data.overlong == "drop" else ")"))
+        raise ValueError(f"compute_features: row {bad}: {toks[bad]}{hint}")
+    ints = pa.list_(pa.int32())
+    return pa.table({
+        "example_id": pa.array([example_id(m) for m in msgs], type=pa.string()),
+        "input_ids": pa.array([t[0] for t in toks], type=ints),
+        "labels": pa.array([t[1] for t in toks], type=ints),
+        "n_tokens": pa.array([len(t[0]) for t in toks], type=pa.int32()),
+        # The embedding baseline's text, as the feature stage builds it from the same messages.
+        "text": pa.array(["\n".join(m["content"] for m in ms) for ms in msgs], type=pa.string()),
+    })
+
+
+def _check_unique(ids: list[str]) -> None:
+    """Example ids are content hashes: a repeat is the same example twice, which the plan cannot hold."""
+    first: dict[str, int] = {}
+    for i, eid in enumerate(ids):
+        if eid in first:
+            raise ValueError(f"compute_features: rows {first[eid]} and {i} are the same example ({eid}); "
+                             f"de-duplicate the rows first")
+        first[eid] = i
+
+
+def _ray_running() -> bool:
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return ray.is_initialized()
+
+
+def _in_process(table, model_path: str, sk: SketchConfig, trust: bool, pad_token_id: int) -> dict:
+    """The sketcher called directly, chunk by chunk; ``{"example_id", "sketch"}`` in input order."""
+    from .features import make_sketcher
+    from .features.stage import _SUBBATCHES_PER_RAY_BATCH
+
+    fn = make_sketcher(sk.method, model_path, sk.model_dump(), trust, pad_token_id)
+    step = _SUBBATCHES_PER_RAY_BATCH * sk.batch_size  # a shard of compute_sketches: the same sub-batches
+    ids, out = [], []
+    for lo in range(0, table.num_rows, step):
+        part = table.slice(lo, step)
+        # Ray Data's numpy batch format: ragged list columns as 1-D object arrays of arrays.
+        res = fn({c: part.column(c).to_numpy(zero_copy_only=False) for c in part.column_names})
+        ids.extend(res["example_id"].tolist())
+        out.append(res["sketch"])
+    return {"example_id": np.asarray(ids, dtype=object), "sketch": np.concatenate(out)}
+
+
+def _on_ray(table, model_path: str, sk: SketchConfig, trust: bool, pad_token_id: int, use_gpu: bool,
+            work_dir: str | None) -> dict:
+    """:func:`compute_sketches` into a temporary folder, read back (``{"example_id", "sketch", ...}``)."""
+    from .features import compute_sketches, read_sketches
+
+    with tempfile.TemporaryDirectory(prefix="rcft-features-", dir=work_dir) as tmp:
+        compute_sketches(table, model_path, sk, tmp, use_gpu=use_gpu, trust_remote_code=trust,
+                         pad_token_id=pad_token_id)
+        return read_sketches(tmp)
+
+
+def select_and_plan(features, n_tokens, cfg: JobConfig, *, example_ids=None) -> Plan:
+    """Clusters, selection, selection weights and the rank x step plan of the given features: pure (no Ray, no
+    I/O, no global state), and for the same features equal to what ``ray-cluster-ft run --plan-only`` writes
+    (``clusters.parquet``, ``selection.parquet``, ``plan.parquet``).
+
+    Args:
+        features: a :class:`Features` (its ids are used), or float ``(N, d)`` features; ``None`` only when the
+            config clusters nothing (``random``/``full`` selection with ``random``/``length`` allocation).
+        n_tokens: int ``(N,)`` tokens per example; ``None`` takes ``features.n_tokens``.
+        cfg: the job config: ``clustering``, ``selection``, ``allocation`` and ``train`` (world size,
+            ``micro_batch_size``, ``grad_accum``, ``epochs``).
+        example_ids: str ``(N,)`` unique; default ``features.example_id``, else ``"0"``..``"N-1"``.
+
+    Returns:
+        :class:`Plan`: ``clusters`` (N rows or ``None``), ``selection`` and ``plan`` frames, ``metrics`` dict.
+
+    Raises:
+        TypeError: ``cfg`` is not a JobConfig.
+        ValueError: shapes disagree, ids repeat, features missing or not finite, as :func:`cluster_sketches`.
+        ConfigError: the config is impossible for N examples (as at the start of a run), or ``equalize``
+            leaves less than a micro-batch per cluster.
+    """
+    if not isinstance(cfg, JobConfig):
+        raise TypeError(f"select_and_plan: cfg must be a JobConfig, got {type(cfg).__name__}")
+    x, tok, ids = _plan_inputs(features, n_tokens, example_ids)
+    check_against_data(cfg, len(ids))
+    from .clustering import cluster_with_config
+    from .select import select_with_config
+
+    clusters = labels = dist = None
+    if needs_clusters(cfg):
+        if x is None:
+            raise ValueError("select_and_plan: this config clusters the examples: it needs their features")
+        res, table = cluster_with_config(cfg, ids, x)
+        clusters, labels, dist = table.to_pandas(), res.labels, res.dist
+    sel = select_with_config(cfg, n_candidates=len(ids), sketches=x if labels is not None else None,
+                             labels=labels, dist=dist).result
+    plan, selection = _allocate(cfg, ids, labels if labels is not None else np.zeros(len(ids), dtype=np.int64),
+                                tok, sel)
+    from .allocate import plan_metrics
+
+    return Plan(clusters, selection, plan, plan_metrics(plan, cfg.train.num_workers))
+
+
+def _plan_inputs(features, n_tokens, example_ids) -> tuple:
+    """``(features float (N, d) or None, n_tokens int64 (N,), example ids str (N,))``, checked."""
+    if isinstance(features, Features):
+        x = features.features
+        n_tokens = features.n_tokens if n_tokens is None else n_tokens
+        example_ids = features.example_id if example_ids is None else example_ids
+    else:
+        x = None if features is None else np.asarray(features)
+    if n_tokens is None:
+        raise ValueError("select_and_plan: n_tokens is needed unless features is a Features")
+    tok = np.asarray(n_tokens)
+    if tok.ndim != 1 or (tok.size and not np.issubdtype(tok.dtype, np.integer)):
+        raise ValueError(f"select_and_plan: n_tokens must be a 1-D integer array, got shape {tok.shape} "
+                         f"dtype {tok.dtype}")
+    n = tok.size
+    ids = np.asarray([str(i) for i in range(n)] if example_ids is None else example_ids, dtype=object)
+    if x is not None and (x.ndim != 2 or x.shape[0] != n):
+        raise ValueError(f"select_and_plan: features {x.shape} must be (N, d) with N = {n}, the n_tokens given")
+    if ids.shape != (n,) or len(set(ids.tolist())) != n:
+        raise ValueError(f"select_and_plan: example_ids must be {n} unique ids")
+    return x, tok.astype(np.int64), ids
+
+
+def _allocate(cfg: JobConfig, ids, labels, n_tokens, sel) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(plan, selection)`` exactly as the allocation stage writes ``plan.parquet`` and ``selection.parquet``
+    (both come from :func:`ray_cluster_ft.allocate.plan_selection`)."""
+    from .allocate import plan_selection
+
+    res, table = plan_selection(cfg, ids, labels, n_tokens, np.asarray(sel.indices), sel.reasons)
+    return res.plan, table.to_pandas()
+
+
+SELECTED_COLUMNS = ("example_id", "cluster", "weight", "rank", "step")
+"""The columns :func:`write_selected` adds to each row's own fields (they replace fields of the same name)."""
+
+
+def write_selected(cfg: JobConfig, run_dir: str | Path) -> tuple[Path, Path]:
+    """The ``select`` command's export: every row of ``selection.parquet`` as it was read from the sources
+    (its original fields), plus ``example_id``, ``cluster``, ``weight`` and the ``rank`` and ``step`` of its
+    first appearance in ``plan.parquet``, written to ``selected.jsonl`` and ``selected.parquet`` (in the order
+    of ``selection.parquet``), both claimed in the run directory's ledger first.
+
+    Parquet columns are the union of the rows' fields (missing ones null); a field whose values mix types
+    (a number in one row, text in another) is stored as JSON text there. The JSONL keeps every value as read.
+
+    Args:
+        cfg: the job config of the run (its ``data`` section names the sources).
+        run_dir: a run directory with ``selection.parquet`` and ``plan.parquet`` (after ``--plan-only``).
+
+    Returns:
+        ``(selected.jsonl, selected.parquet)`` paths.
+
+    Raises:
+        RuntimeError: a selected example is no longer in the sources (they changed since the run).
+        ConfigError: the names exist in ``run_dir`` but no run wrote them.
+    """
+    from .rundir import claim
+
+    run_dir = Path(run_dir)
+    records = _selected_records(cfg, run_dir)
+    jsonl = claim(run_dir, "selected.jsonl", "selected.parquet")
+    with open(jsonl, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
+    parquet = run_dir / "selected.parquet"
+    _write_parquet(records, parquet)
+    return jsonl, parquet
+
+
+def _selected_records(cfg: JobConfig, run_dir: Path) -> list[dict]:
+    """One dict per selected row: the row as read, then the :data:`SELECTED_COLUMNS`."""
+    sel = pd.read_parquet(run_dir / "selection.parquet")
+    plan = pd.read_parquet(run_dir / "plan.parquet", columns=["example_id", "step", "rank", "micro_index"])
+    first = plan.sort_values(["step", "rank", "micro_index"], kind="stable").drop_duplicates("example_id")
+    first = first.set_index("example_id")
+    rows = _original_rows(cfg.data, set(sel["example_id"]))
+    out = []
+    for eid, cluster, weight in zip(sel["example_id"], sel["cluster"], sel["weight"]):
+        extra = {"example_id": eid, "cluster": int(cluster), "weight": float(weight),
+                 "rank": int(first.at[eid, "rank"]), "step": int(first.at[eid, "step"])}
+        out.append({**{k: v for k, v in rows[eid].items() if k not in extra}, **extra})
+    return out
+
+
+def _original_rows(data: DataConfig, wanted: set[str]) -> dict[str, dict]:
+    """The first source row of each wanted example id, as read (the data stage keeps the first of duplicates)."""
+    from .data import Rejection, canonicalize, example_id, iter_rows
+
+    found: dict[str, dict] = {}
+    for _src, _pos, row in iter_rows(data):
+        if isinstance(row, Rejection):
+            continue
+        try:
+            eid = example_id(canonicalize(row))
+        except ValueError:
+            continue
+        if eid in wanted and eid not in found:
+            found[eid] = row
+    if len(found) != len(wanted):
+        miss = sorted(wanted - set(found))
+        raise RuntimeError(f"write_selected: {len(miss)} selected examples are not in the data sources any more "
+                           f"(changed since the run?), e.g. {miss[:3]}")
+    return found
+
+
+def _write_parquet(records: list[dict], path: Path) -> None:
+    """The records as one Parquet table whose columns are the union of their fields."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = list(dict.fromkeys(k for r in records for k in r))
+    cols = {}
+    for name in names:
+        values = [r.get(name) for r in records]
+        try:
+            cols[name] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+            # Mixed types in one field cannot share a Parquet column: keep them, as JSON text.
+            cols[name] = pa.array([None if v is None else json.dumps(v, ensure_ascii=False, default=str)
+                                   for v in values], type=pa.string())
+    pq.write_table(pa.table(cols), path)
