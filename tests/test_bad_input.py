@@ -354,7 +354,7 @@ def test_mixed_file_run_manifest_accounts_for_every_row(tmp_path, tiny_model_dir
         ({"selection": {"strategey": "random"}},
          "unknown key 'selection.strategey'; did you mean 'selection.strategy'?"),
         ({"allocaton": {}}, "unknown key 'allocaton'; did you mean 'allocation'?"),
-        ({"zzz": 1}, "unknown key 'zzz' (valid here: data, model, sketch"),
+        ({"zzz": 1}, "unknown key 'zzz' (valid here: preset, data, model, sketch"),
         ({"train": 5}, "train: Input should be a valid dictionary or instance of TrainConfig (got 5)"),
         ({1: 2}, "1: Keys should be strings (got 1)"),
     ],
