@@ -8,13 +8,15 @@ The stages, one module or package each, every one a ``run(cfg, run_dir, ...)`` t
 
 * :mod:`ray_cluster_ft.data`: sources -> tokenized examples + rejected rows; the one :func:`collate`;
 * :mod:`ray_cluster_ft.features`: gradient sketches (or embeddings) by Ray Data actors, resumable shards;
-* :mod:`ray_cluster_ft.clustering`: spherical k-means; :mod:`ray_cluster_ft.select`: water-filled quotas and
-  k-center picks; :mod:`ray_cluster_ft.allocate`: the rank x step plan (pure algorithms, no Ray);
+* :mod:`ray_cluster_ft.clustering`: spherical k-means (or the published KMeans with a soft cap);
+  :mod:`ray_cluster_ft.select`: water-filled quotas and k-center picks (or the published equal cuts); :mod:`ray_cluster_ft.allocate`: the rank x step plan (pure algorithms, no Ray);
 * :mod:`ray_cluster_ft.train`: Ray Train + DeepSpeed workers that train exactly their planned rows;
 * :mod:`ray_cluster_ft.evaluate`: held-out loss, multiple-choice accuracy, pass@1;
 * :func:`run_pipeline` (:mod:`ray_cluster_ft.recipe`) runs them in order; ``ray-cluster-ft`` is the CLI;
 * :func:`compute_features` and :func:`select_and_plan` (:mod:`ray_cluster_ft.api`): the same features, clusters,
-  selection and plan as a library, with no run directory.
+  selection and plan as a library, with no run directory;
+* :mod:`ray_cluster_ft.integrations`: the plan in your own trainer (a torch ``PlanBatchSampler``, a Hugging Face
+  ``PlanTrainer``, Ray Train datasets and ``DataConfig``).
 
 The stage packages keep their names (``ray_cluster_ft.train`` is the package, its driver is
 ``ray_cluster_ft.train.train``). Configs are pydantic models (:class:`JobConfig` and its sections), read from YAML by :func:`load_config`.

@@ -76,14 +76,15 @@ def test_rank_and_step_are_the_first_planned_appearance(selected):
 
 def test_selected_parquet_holds_the_same_rows_and_is_in_the_ledger(selected):
     out, records, _ = selected
-    table = pq.read_table(out / "selected.parquet")  # `datasets` is not in this venv: read with pyarrow
+    table = pq.read_table(out / "selected.parquet")
     assert table.column_names[-len(ADDED):] == ADDED
     for rec, row in zip(records, table.to_pylist()):
         assert {k: v for k, v in row.items() if v is not None} == rec
     assert {"selected.jsonl", "selected.parquet"} <= set(read_ledger(out)["paths"])
 
 
-def test_selected_parquet_loads_with_datasets(selected):
+def test_selected_parquet_loads_with_datasets(selected, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # a local file: nothing to fetch (read when datasets imports)
     datasets = pytest.importorskip("datasets")
     out, records, _ = selected
     ds = datasets.load_dataset("parquet", data_files=str(out / "selected.parquet"), split="train")
