@@ -3,6 +3,7 @@ fast instead of waiting for minutes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -26,6 +27,26 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(f"cannot reach a Ray cluster at {address!r}: {err}") from None
 
 
+@contextlib.contextmanager
+def _callers_sigterm_handler():
+    """Keep the caller's SIGTERM handler through ``ray.init``. Ray 2.60 installs its own first (``sys.exit(15)``
+    from whatever the main thread is doing; seen swallowed inside ``logging``'s lock, and the run then went on or
+    hung), through the private ``ray._private.utils.set_sigterm_handler``: the one place that touches it.
+    The handlers are put back after ``ray.init`` in any case (:func:`init_ray`), for Ray versions that set it
+    elsewhere."""
+    import ray._private.utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
+
+
 def init_ray(address: str | None, use_gpu: bool) -> bool:
     """Start or join Ray; returns True when this call started it (so the pipeline shuts it down).
 
@@ -44,12 +65,15 @@ def init_ray(address: str | None, use_gpu: bool) -> bool:
     env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     check_reachable(address)
-    # ray.init replaces the process's SIGTERM handler (with one that exits without a word); the caller's
-    # handlers for SIGINT and SIGTERM (the CLI's: stop, say how to resume) are put back afterwards.
     main = threading.current_thread() is threading.main_thread()
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
-        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+        with _callers_sigterm_handler():
+            ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+    except KeyboardInterrupt:  # the caller's handler stopped the start-up: leave no Ray behind
+        if ray.is_initialized():
+            ray.shutdown()
+        raise
     except Exception as err:  # Ray raises a bare Exception when its node times out at start-up
         what = "start a local Ray" if address == "local" else f"join Ray at {address!r}"
         raise ConfigError(f"could not {what}: {err}") from None

@@ -475,10 +475,13 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
         :func:`clustering_warning` when there is one).
 
     Raises:
-        ConfigError: (``resume``) the assignment changed.
+        ConfigError: (``resume``) the assignment changed; fewer clusters than ranks after merging with
+            ``allocation.strategy: cluster`` (unless ``allocation.allow_shared_clusters``), or a cluster count
+            other than the world size with ``cluster_per_rank``.
     """
     import pyarrow.parquet as pq
 
+    from .config import ConfigError
     from .rundir import claim, same_as_before
 
     c = cfg.clustering
@@ -492,6 +495,13 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
     if res.cap is not None:
         summary.update(capped=True, cap=int(res.cap))
     warning = clustering_warning(res.k, res.n_merged_clusters, W, c.min_cluster_size)
+    alloc = cfg.allocation
+    if alloc.strategy == "cluster_per_rank" and res.k != W:
+        raise ConfigError(f"allocation.strategy 'cluster_per_rank' needs {W} clusters (train.num_workers), but "
+                          f"clustering left {res.k}" + (f" after merging {res.n_merged_clusters} smaller than "
+                          f"clustering.min_cluster_size={c.min_cluster_size}" if res.n_merged_clusters else ""))
+    if warning and alloc.strategy == "cluster" and not alloc.allow_shared_clusters:
+        raise ConfigError(f"{warning}; or set allocation.allow_shared_clusters: true to run anyway")
     if warning:
         summary["warning"] = warning
         print(f"[ray-cluster-ft] warning: {warning}", flush=True)

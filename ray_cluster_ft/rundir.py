@@ -31,22 +31,44 @@ RUN_MARKER = ".ray-cluster-ft-run"
 _KEPT_ON_FRESH_RUN = ("sketches",)
 
 
+def _plain_name(name) -> bool:
+    """A single entry of the run directory: not empty, no separator, not ``.``/``..``, not the marker."""
+    return (isinstance(name, str) and name not in ("", ".", "..", RUN_MARKER) and "/" not in name
+            and "\\" not in name and "\x00" not in name)
+
+
 def read_ledger(run_dir: Path) -> dict | None:
     """The marker of ``run_dir`` (``{"run_id", "paths"}``), or ``None`` when there is none or it is not one of
-    ours (an empty file, other JSON): names are no proof."""
+    ours (an empty file, other JSON): names are no proof.
+
+    Raises:
+        ConfigError: the marker is not a regular file, or its ledger lists something that is not a plain name
+            inside the folder (``..``, an absolute path, a path with a separator: a hand-edited ledger).
+    """
+    marker = Path(run_dir) / RUN_MARKER
+    if os.path.lexists(marker) and (marker.is_symlink() or not marker.is_file()):
+        raise ConfigError(f"output.dir {run_dir}: {RUN_MARKER} is not a ray-cluster-ft marker file; nothing was "
+                          f"touched (use a new or empty directory)")
     try:
-        obj = json.loads((Path(run_dir) / RUN_MARKER).read_text(encoding="utf-8"))
+        obj = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("run_id"), str) or not isinstance(obj.get("paths"), list):
         return None
-    return {"run_id": obj["run_id"], "paths": [p for p in obj["paths"] if isinstance(p, str)]}
+    bad = [p for p in obj["paths"] if not _plain_name(p)]
+    if bad:
+        raise ConfigError(f"output.dir {run_dir}: its ledger lists {bad[0]!r}, which is not a name inside the "
+                          f"folder; nothing was touched (use a new or empty directory)")
+    return {"run_id": obj["run_id"], "paths": list(obj["paths"])}
 
 
 def _write_ledger(run_dir: Path, ledger: dict) -> None:
     tmp = run_dir / f"{RUN_MARKER}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.write_text(json.dumps(ledger, indent=1), encoding="utf-8")
-    os.replace(tmp, run_dir / RUN_MARKER)
+    try:
+        tmp.write_text(json.dumps(ledger, indent=1), encoding="utf-8")
+        os.replace(tmp, run_dir / RUN_MARKER)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _top_level(run_dir: Path, path: str | Path) -> str:
@@ -76,6 +98,10 @@ def claim(run_dir: str | Path, *paths: str | Path) -> Path:
         if os.path.lexists(run_dir / n):
             raise ConfigError(f"output.dir {run_dir}: {n!r} appeared there during the run and no run wrote it; "
                               f"it was left as it is")
+    for n in names:  # a run writes real files and folders only: a symlink would send its writes elsewhere
+        if (run_dir / n).is_symlink():
+            raise ConfigError(f"output.dir {run_dir}: {n!r} is a symlink, not what the run wrote; it was left as it "
+                              f"is (remove it, or use a new directory)")
     if new:
         ledger["paths"] += new
         _write_ledger(run_dir, ledger)
@@ -122,6 +148,10 @@ def prepare_run_dir(run_dir: Path, resume: bool, inputs: Iterable[Path] = ()) ->
                               f"(use a new or empty directory)")
         if resume and ledger is None:
             raise ConfigError(f"--resume {run_dir}: no ray-cluster-ft run marker there; nothing was touched")
+        links = sorted(n for n in listed if (run_dir / n).is_symlink())
+        if resume and links:  # resuming would write through it into whatever it points at
+            raise ConfigError(f"--resume {run_dir}: {links[0]!r} is a symlink, not what the run wrote; nothing was "
+                              f"touched")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -131,11 +161,11 @@ def prepare_run_dir(run_dir: Path, resume: bool, inputs: Iterable[Path] = ()) ->
     kept = []
     for name in ledger["paths"] if ledger else []:
         path = run_dir / name
-        if name in _KEPT_ON_FRESH_RUN and path.exists():
+        if name in _KEPT_ON_FRESH_RUN and path.is_dir() and not path.is_symlink():
             kept.append(name)
         elif path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
-        else:
+        else:  # a file, or a symlink put in place of the run's folder: the link goes, never its target
             path.unlink(missing_ok=True)
     run_id = uuid.uuid4().hex
     try:

@@ -292,3 +292,26 @@ def test_run_reports_the_cap(tmp_path):
     res, summary = clustering.run(cfg, run_dir, example_ids=ids, sketches=x)
     assert summary["algorithm"] == "kmeans" and summary["capped"] is True and summary["cap"] == 55
     assert max(summary["sizes"]) <= 55 and sum(summary["sizes"]) == 100
+
+
+def test_too_few_clusters_after_merging_is_refused_unless_shared_clusters_are_allowed(tmp_path):
+    from ray_cluster_ft.config import ConfigError, parse_config
+    from ray_cluster_ft.rundir import prepare_run_dir
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(size=(40, 8)) + 5, rng.normal(size=(3, 8)) - 5]).astype(np.float32)
+    ids = np.array([f"e{i}" for i in range(len(x))])
+    spec = {"clustering": {"k": 2, "min_cluster_size": 10}, "train": {"num_workers": 2}}
+    prepare_run_dir(tmp_path / "a", resume=False)
+    with pytest.raises(ConfigError, match=r"1 cluster after merging 1 clusters smaller than "
+                                          r"clustering.min_cluster_size=10, fewer than the 2 ranks.*"
+                                          r"allocation.allow_shared_clusters: true"):
+        clustering.run(parse_config(spec), tmp_path / "a", example_ids=ids, sketches=x)
+    prepare_run_dir(tmp_path / "b", resume=False)
+    res, summary = clustering.run(parse_config({**spec, "allocation": {"allow_shared_clusters": True}}),
+                                  tmp_path / "b", example_ids=ids, sketches=x)
+    assert res.k == 1 and summary["warning"].startswith("1 cluster after merging")
+    prepare_run_dir(tmp_path / "c", resume=False)
+    per_rank = {**spec, "allocation": {"strategy": "cluster_per_rank"}}
+    with pytest.raises(ConfigError, match="'cluster_per_rank' needs 2 clusters .* but clustering left 1 after"):
+        clustering.run(parse_config(per_rank), tmp_path / "c", example_ids=ids, sketches=x)

@@ -102,3 +102,23 @@ def test_sigint_and_sigterm_stop_a_run_that_resumes_after_its_newest_checkpoint(
     log = pd.read_json(run / "train_log.jsonl", lines=True)
     assert log["step"].tolist() == sorted(plan["step"].unique().tolist())  # every step once in the history
     assert len([p for p in (run / "ray_train" / "train").glob("checkpoint_*") if p.is_dir()]) == 1
+
+
+def test_sigterm_while_ray_starts_is_the_clis_to_handle(tmp_path, tiny_model_dir):
+    """SIGTERM right after the data stage, while ray.init is starting a local Ray: Ray's own handler
+    (sys.exit(15) from wherever the main thread is) must not take it over."""
+    spec = _spec(tmp_path, tiny_model_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    err_path = tmp_path / "early.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ray_cluster_ft.cli", "run", str(spec)],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+        for line in proc.stdout:
+            if line.startswith("[ray-cluster-ft] data done"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        proc.stdout.close()
+        code = proc.wait(timeout=180)
+    err = err_path.read_text()
+    assert code == 143, err[-3000:]
+    assert _last_line(err).startswith("ray-cluster-ft: interrupted (SIGTERM); continue the run with")

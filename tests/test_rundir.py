@@ -4,6 +4,7 @@ file names: nothing a run did not write is removed or overwritten."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -109,3 +110,42 @@ def test_the_reported_deletion_is_refused_through_the_cli(tmp_path, capsys):
     assert err.count("\n") == 1 and "holds an input of this job" in err
     assert pq.read_table(folder / "examples.parquet").equals(rows)
     assert sorted(p.name for p in folder.iterdir()) == ["examples.parquet", "notes.txt"]
+
+
+@pytest.mark.parametrize("entry", ["../../victim", "/tmp/victim2", "", ".", "..", "a/b", RUN_MARKER])
+def test_a_hand_edited_ledger_cannot_reach_outside_the_folder(tmp_path, entry):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "a").write_text("x")
+    run = tmp_path / "runs" / "evil"
+    run.mkdir(parents=True)
+    (run / RUN_MARKER).write_text(json.dumps({"run_id": "abc", "paths": [entry, "plan.parquet"]}))
+    with pytest.raises(ConfigError, match="its ledger lists .*, which is not a name inside the folder; nothing"):
+        prepare_run_dir(run, resume=False)
+    assert (victim / "a").read_text() == "x" and (run / RUN_MARKER).is_file()
+
+
+def test_symlinks_in_place_of_the_runs_folders_are_never_followed(tmp_path):
+    mine = tmp_path / "bigdisk"
+    mine.mkdir()
+    (mine / "my_table.parquet").write_text("the user's")
+    run = tmp_path / "run"
+    prepare_run_dir(run, resume=False)
+    claim(run, "sketches").mkdir()
+    claim(run, "final_model").mkdir()
+    (run / "sketches").rmdir()
+    (run / "sketches").symlink_to(mine)
+    with pytest.raises(ConfigError, match="'sketches' is a symlink, not what the run wrote"):
+        prepare_run_dir(run, resume=True)
+    with pytest.raises(ConfigError, match="'sketches' is a symlink"):
+        claim(run, "sketches")
+    prepare_run_dir(run, resume=False)  # a fresh run removes the link, never what it points at
+    assert not os.path.lexists(run / "sketches") and (mine / "my_table.parquet").read_text() == "the user's"
+
+
+def test_a_marker_that_is_not_a_file_is_refused_and_nothing_is_left_behind(tmp_path):
+    folder = tmp_path / "user"
+    (folder / RUN_MARKER).mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is not a ray-cluster-ft marker file; nothing was touched"):
+        prepare_run_dir(folder, resume=False)
+    assert [p.name for p in folder.iterdir()] == [RUN_MARKER]

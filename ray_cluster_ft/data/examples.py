@@ -8,6 +8,7 @@ prompt (and template) token.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,22 @@ class DataResult:
     sources: dict[str, int] = field(default_factory=dict)
 
 
+def _special_token_texts(tokenizer) -> list[str]:
+    """The texts of the tokenizer's special tokens, longest first: the named ones (``all_special_tokens``) and
+    every added token marked special (SmolLM2's ``<empty_output>``, ``<file_sep>``, ...)."""
+    texts = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(tok, "special", False):
+            texts.add(str(tok.content))
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def _without(text: str, tokens: list[str]) -> str:
+    for tok in tokens:
+        text = text.replace(tok, "")
+    return text
+
+
 def tokenize_rows(
     messages: list[list[dict[str, str]]], tokenizer, max_seq_len: int, overlong: str = "drop"
 ) -> list[tuple[list[int], list[int], bool] | str]:
@@ -81,18 +98,18 @@ def tokenize_rows(
         Per example, ``(input_ids, labels, truncated)`` with labels -100 on prompt tokens, or a rejection
         reason (str).
     """
-    special = sorted((t for t in getattr(tokenizer, "all_special_tokens", []) if t), key=len, reverse=True)
+    special = _special_token_texts(tokenizer)
     prompts = [tokenizer.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True) for m in messages]
     fulls = [tokenizer.apply_chat_template(m, tokenize=False) for m in messages]
     enc_p = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     enc_f = tokenizer(fulls, add_special_tokens=False)["input_ids"]
     out: list[tuple[list[int], list[int], bool] | str] = []
     for msgs, p_ids, f_ids in zip(messages, enc_p, enc_f):
-        response = msgs[-1]["content"]
-        for tok in special:  # a response of only end-of-turn tokens has nothing to learn either
-            response = response.replace(tok, "")
-        if is_blank(response):
+        if is_blank(_without(msgs[-1]["content"], special)):  # only end-of-turn tokens: nothing to learn
             out.append("empty response: only whitespace, format characters or special tokens")
+            continue
+        if all(is_blank(_without(m["content"], special)) for m in msgs[:-1] if m["role"] == "user"):
+            out.append("empty prompt: only whitespace, format characters or special tokens")
             continue
         n_p = len(p_ids)
         if f_ids[:n_p] != p_ids:
@@ -214,7 +231,8 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         if domain is not None and not isinstance(domain, str):
             rejected.append(Rejection(src, pos, f"field 'domain' is {type(domain).__name__}, expected a string", row))
             continue
-        domain = " ".join((domain or "").split()) or "default"  # " all " and "all" are one name in the report
+        # " all ", "all" and "\u200ball" are one name in the report: format characters go, whitespace folds.
+        domain = " ".join("".join(c for c in (domain or "") if unicodedata.category(c) != "Cf").split()) or "default"
         if domain == "all":  # the name of the every-domain aggregate in the evaluation
             rejected.append(Rejection(src, pos, "reserved domain: 'all' names the aggregate over every domain in "
                                                 "the evaluation; rename the row's domain", row))

@@ -289,11 +289,19 @@ def _check_text(v: str, what: str) -> None:
         raise ValueError(f"invalid Unicode in {what}: lone surrogate {bad!r} at character {err.start}") from None
 
 
+# Letters that render as nothing: Hangul fillers, the braille blank.
+_INVISIBLE = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+# Format (Cf: U+200B, U+FEFF, joiners), control (Cc: NUL, ...) and combining marks with no base (Mn, Me:
+# U+034F, variation selectors such as U+FE0F).
+_BLANK_CATEGORIES = frozenset({"Cf", "Cc", "Mn", "Me"})
+
+
 def is_blank(text: str) -> bool:
-    """True when nothing is left of ``text`` after removing whitespace and Unicode format characters (category
-    Cf: zero-width space U+200B, byte-order mark U+FEFF, joiners, ...): such text looks empty to a reader and
-    gives the model nothing to learn."""
-    return not any(not ch.isspace() and unicodedata.category(ch) != "Cf" for ch in text)
+    """True when nothing visible is left of ``text`` after removing whitespace, Unicode format and control
+    characters, combining marks and the invisible fillers: such text looks empty to a reader and gives the model
+    nothing to learn. (A combining mark on a letter counts with its letter.)"""
+    return not any(not ch.isspace() and ch not in _INVISIBLE and unicodedata.category(ch) not in _BLANK_CATEGORIES
+                   for ch in text)
 
 
 def _nonempty_str(row: dict, key: str) -> str:
