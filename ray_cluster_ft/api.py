@@ -385,23 +385,9 @@ def _selected_records(cfg: JobConfig, run_dir: Path) -> list[dict]:
 
 def _original_rows(data: DataConfig, wanted: set[str]) -> dict[str, dict]:
     """The first source row of each wanted example id, as read (the data stage keeps the first of duplicates)."""
-    from .data import Rejection, canonicalize, example_id, iter_rows
+    from .data.read import rows_by_id
 
-    found: dict[str, dict] = {}
-    for _src, _pos, row in iter_rows(data):
-        if isinstance(row, Rejection):
-            continue
-        try:
-            eid = example_id(canonicalize(row))
-        except ValueError:
-            continue
-        if eid in wanted and eid not in found:
-            found[eid] = row
-    if len(found) != len(wanted):
-        miss = sorted(wanted - set(found))
-        raise RuntimeError(f"write_selected: {len(miss)} selected examples are not in the data sources any more "
-                           f"(changed since the run?), e.g. {miss[:3]}")
-    return found
+    return {eid: row for eid, (row, _msgs) in rows_by_id(data, wanted).items()}
 
 
 def _write_parquet(records: list[dict], path: Path) -> None:

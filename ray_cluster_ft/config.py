@@ -158,7 +158,9 @@ class SketchConfig(_Section):
     )
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of warm-up training before sketching; 0 = off")
     warmup_fraction: float = Field(0.05, gt=0.0, le=1.0, description="share of the candidates in the warm-up sample")
-    num_actors: int | None = Field(None, ge=1, description="sketch actors; null = one per GPU, else 1 per CPU slot")
+    num_actors: int | None = Field(
+        None, ge=1, description="sketch actors; null = train.num_workers with use_gpu (the autoscaler brings the GPUs "
+                                "up), else one per CPU slot")
 
     @model_validator(mode="after")
     def _warmup_needs_gradients(self) -> "SketchConfig":

@@ -38,6 +38,7 @@ __all__ = [
     "reason_category",
     "example_id",
     "load_messages",
+    "rows_by_id",
 ]
 
 
@@ -419,20 +420,20 @@ def iter_rows(cfg: DataConfig) -> Iterator[tuple[str, int, Any]]:
     return (r for p in cfg.paths for r in iter_file_rows(p, cfg.limit))
 
 
-def load_messages(data_cfg, wanted: Sequence[str]) -> dict[str, list[dict[str, str]]]:
-    """The chat messages of the examples ``wanted``, read again from the data sources of ``data_cfg``.
+def rows_by_id(data_cfg, wanted: Sequence[str]) -> dict[str, tuple[Any, list[dict[str, str]]]]:
+    """The first row read for each example id in ``wanted``, with its chat messages, read again from the data
+    sources of ``data_cfg``: rows are read and canonicalised exactly as :func:`ray_cluster_ft.data.load_examples`
+    does and matched by :func:`example_id` (a hash of the messages).
 
-    The examples table keeps token ids only; a proxy model with another tokenizer and the embedding baseline
-    need the text. Rows are read and canonicalised exactly as :func:`ray_cluster_ft.data.load_examples` does
-    and matched by :func:`ray_cluster_ft.data.example_id` (a hash of the messages).
+    Returns:
+        ``{example_id: (row as read, messages)}``.
 
     Raises:
         RuntimeError: some ids are not found (the data files changed since the data stage).
     """
     want = set(wanted)
-    rows = iter_rows(data_cfg)
-    found: dict[str, list[dict[str, str]]] = {}
-    for _src, _pos, row in rows:
+    found: dict[str, tuple[Any, list[dict[str, str]]]] = {}
+    for _src, _pos, row in iter_rows(data_cfg):
         if isinstance(row, Rejection):
             continue
         try:
@@ -440,10 +441,20 @@ def load_messages(data_cfg, wanted: Sequence[str]) -> dict[str, list[dict[str, s
         except ValueError:
             continue
         eid = example_id(msgs)
-        if eid in want:
-            found[eid] = msgs
+        if eid in want and eid not in found:
+            found[eid] = (row, msgs)
     if len(found) != len(want):
         miss = sorted(want - set(found))
-        raise RuntimeError(f"load_messages: {len(miss)} examples not found in the data sources (changed since the "
-                           f"data stage?), e.g. {miss[:3]}")
+        raise RuntimeError(f"{len(miss)} examples are not in the data sources any more (changed since the data "
+                           f"stage?), e.g. {miss[:3]}")
     return found
+
+
+def load_messages(data_cfg, wanted: Sequence[str]) -> dict[str, list[dict[str, str]]]:
+    """The chat messages of the examples ``wanted`` (:func:`rows_by_id`): the examples table keeps token ids
+    only; a proxy model with another tokenizer and the embedding baseline need the text.
+
+    Raises:
+        RuntimeError: some ids are not found (the data files changed since the data stage).
+    """
+    return {eid: msgs for eid, (_row, msgs) in rows_by_id(data_cfg, wanted).items()}

@@ -123,10 +123,12 @@ class ShardSketcher:
         return {k: np.asarray(v) for k, v in out.items()}
 
 
-def _actor_resources(cfg: SketchConfig, use_gpu: bool) -> tuple[int, float]:
+def _actor_resources(cfg: SketchConfig, use_gpu: bool, gpu_actors: int | None = None) -> tuple[int, float]:
     """(number of actors, CPUs each) for the sketch pool.
 
-    Actors: ``cfg.num_actors``, else one per GPU of the Ray cluster (``use_gpu``) or one per CPU; at least 1.
+    Actors: ``cfg.num_actors``; else with ``use_gpu`` ``gpu_actors`` (the job's ``train.num_workers``: on an
+    autoscaling cluster the GPUs present at start are 0 or 1, and Ray's autoscaler brings up the ones asked
+    for), or one per GPU present; else one per CPU; at least 1.
     CPUs: 1 each, but never more than ``CPU - 1`` in all: a pool holding every CPU starves Ray Data's read
     and write tasks, and the job hangs (seen with ``read_parquet`` on 2 CPUs). A fractional share still
     runs one torch thread (Ray sets ``OMP_NUM_THREADS`` to ``max(1, floor(cpus))``).
@@ -134,13 +136,15 @@ def _actor_resources(cfg: SketchConfig, use_gpu: bool) -> tuple[int, float]:
     import ray
 
     if not ray.is_initialized():
-        ray.init()
+        ray.init(address="local")  # never whatever cluster a stale /tmp/ray file names
     res = ray.cluster_resources()
     n_cpu = float(res.get("CPU", 1.0))
     if cfg.num_actors is not None:
         n = cfg.num_actors
+    elif use_gpu:
+        n = max(1, int(gpu_actors if gpu_actors is not None else res.get("GPU", 0)))
     else:
-        n = max(1, int(res.get("GPU", 0) if use_gpu else n_cpu))
+        n = max(1, int(n_cpu))
     return n, min(1.0, max(n_cpu - 1.0, 0.0) / n)
 
 
@@ -162,6 +166,7 @@ def compute_sketches(
     pad_token_id: int = 0,
     shard_rows: int | None = None,
     fail_on_shard: int | None = None,
+    gpu_actors: int | None = None,
 ) -> dict:
     """Sketch every example with a pool of :class:`ShardSketcher` actors; resumable, one Parquet file a shard.
 
@@ -193,6 +198,8 @@ def compute_sketches(
         pad_token_id: right-padding id of the sketch model's tokenizer.
         shard_rows: rows per shard (and per actor call).
         fail_on_shard: test hook, see :class:`ShardSketcher`.
+        gpu_actors: with ``use_gpu`` and no ``sketch.num_actors``, the actors to ask for (the job's world size;
+            see :func:`_actor_resources`).
 
     Returns:
         ``{"shards", "reused", "computed", "examples", "seconds"}``: shard counts (finished ones found vs
@@ -235,7 +242,7 @@ def compute_sketches(
         import ray
         import ray.data
 
-        n_actors, cpus_per_actor = _actor_resources(cfg, use_gpu)
+        n_actors, cpus_per_actor = _actor_resources(cfg, use_gpu, gpu_actors)
         blocks = []
         for s in pending:
             t = table.slice(s.start, s.stop - s.start)
@@ -326,7 +333,8 @@ def run(cfg, run_dir: Path, train, tokenizer, timer) -> FeatureStage:
         sketch_dir = claim(run_dir, "sketches")
         summary = compute_sketches(
             sk_inputs.table, sketch_model, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
-            trust_remote_code=cfg.model.trust_remote_code, pad_token_id=sk_inputs.pad_token_id)
+            trust_remote_code=cfg.model.trust_remote_code, pad_token_id=sk_inputs.pad_token_id,
+            gpu_actors=cfg.train.num_workers)
         summary.update(model=sketch_model, retokenized=sk_inputs.retokenized)
         sk = read_sketches(str(sketch_dir))
         ids = np.asarray(train.column("example_id").to_pylist())

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ray_cluster_ft.config import SketchConfig
-from ray_cluster_ft.model import load_model, make_tiny_model
 from ray_cluster_ft.data import IGNORE_INDEX
 from ray_cluster_ft.features import (
     GradientSketcher,
@@ -21,9 +20,12 @@ from ray_cluster_ft.features import (
     select_modules,
     sketch_batch,
 )
+from ray_cluster_ft.model import load_model, make_tiny_model
+
+from ._helpers import examples as _examples
+from ._helpers import pad as _pad
 
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-VOCAB = 49_152
 
 
 @pytest.fixture(scope="module")
@@ -40,31 +42,6 @@ def model64(tiny_dir):
 @pytest.fixture(scope="module")
 def model32(tiny_dir):
     return load_model(str(tiny_dir)).eval()
-
-
-def _examples(lengths, prompt_lens, seed=0):
-    """Random token rows; the first ``prompt_len`` tokens of each carry no label."""
-    rng = np.random.default_rng(seed)
-    rows, labels = [], []
-    for n, p in zip(lengths, prompt_lens):
-        ids = rng.integers(0, VOCAB, size=n, dtype=np.int64)
-        lab = ids.copy()
-        lab[:p] = IGNORE_INDEX
-        rows.append(ids)
-        labels.append(lab)
-    return rows, labels
-
-
-def _pad(rows, labels, side):
-    """(ids, mask, labels) int64 tensors, padded on ``side`` with an arbitrary non-zero pad id."""
-    t = max(len(r) for r in rows)
-    ids = torch.full((len(rows), t), 7, dtype=torch.long)
-    lab = torch.full((len(rows), t), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(rows), t), dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labels)):
-        sl = slice(0, len(r)) if side == "right" else slice(t - len(r), t)
-        ids[i, sl], lab[i, sl], mask[i, sl] = torch.from_numpy(r), torch.from_numpy(l), 1
-    return ids, mask, lab
 
 
 def _rel(a, b):
@@ -295,6 +272,9 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
         # Default pool: one actor per CPU, one CPU left free in all for Ray Data's own tasks.
         assert sketch_mod._actor_resources(SketchConfig(), use_gpu=False) == (2, 0.5)
         assert sketch_mod._actor_resources(cfg, use_gpu=False) == (1, 1.0)
+        # GPU jobs ask for one actor per training worker: an autoscaling cluster starts with no GPUs.
+        assert sketch_mod._actor_resources(SketchConfig(), use_gpu=True, gpu_actors=4) == (4, 0.25)
+        assert sketch_mod._actor_resources(SketchConfig(), use_gpu=True)[0] == 1  # no GPU present, none asked
         # The interrupted run reads a Ray Dataset, the re-run a table: the same rows give the same shards.
         with pytest.raises(Exception, match="injected failure on shard 2"):
             compute_sketches(ray.data.from_arrow(table_in), str(tiny_dir), cfg, str(out_dir), shard_rows=4,
@@ -514,9 +494,14 @@ def _write_rows(path, n):
 
 def test_prepare_sketch_inputs_proxy_retokenises_and_embedding_text(tiny_dir, tmp_path):
     from ray_cluster_ft.config import parse_config
-    from ray_cluster_ft.data import canonicalize, example_id, load_examples, tokenize_rows
-    from ray_cluster_ft.model import load_tokenizer
+    from ray_cluster_ft.data import (
+        canonicalize,
+        example_id,
+        load_examples,
+        tokenize_rows,
+    )
     from ray_cluster_ft.features import embedding_model_dir, prepare_sketch_inputs
+    from ray_cluster_ft.model import load_tokenizer
 
     raw = _write_rows(tmp_path / "rows.jsonl", 6)
     base = {"data": {"source": "files", "paths": [str(tmp_path / "rows.jsonl")], "eval_fraction": 0.0,

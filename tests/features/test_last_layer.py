@@ -17,7 +17,8 @@ from ray_cluster_ft.features.last_layer import last_layer_features, normalise_la
 from ray_cluster_ft.features.sketchers import LastLayerSketcher, make_sketcher
 from ray_cluster_ft.model import load_model
 
-VOCAB = 49_152
+from ._helpers import examples as _examples
+from ._helpers import pad as _pad
 
 
 @pytest.fixture(scope="module")
@@ -29,31 +30,6 @@ def model64(tiny_model_dir):
 @pytest.fixture(scope="module")
 def model32(tiny_model_dir):
     return load_model(str(tiny_model_dir)).eval()
-
-
-def _examples(lengths, prompt_lens, seed=0):
-    """Random int64 token rows; the first ``prompt_len`` tokens of each carry no label."""
-    rng = np.random.default_rng(seed)
-    rows, labels = [], []
-    for n, p in zip(lengths, prompt_lens):
-        ids = rng.integers(0, VOCAB, size=n, dtype=np.int64)
-        lab = ids.copy()
-        lab[:p] = IGNORE_INDEX
-        rows.append(ids)
-        labels.append(lab)
-    return rows, labels
-
-
-def _pad(rows, labels, side):
-    """(ids, mask, labels) int64 ``(B, T)``, padded on ``side`` with a non-zero pad id."""
-    t = max(len(r) for r in rows)
-    ids = torch.full((len(rows), t), 7, dtype=torch.long)
-    lab = torch.full((len(rows), t), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(rows), t), dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labels)):
-        sl = slice(0, len(r)) if side == "right" else slice(t - len(r), t)
-        ids[i, sl], lab[i, sl], mask[i, sl] = torch.from_numpy(r), torch.from_numpy(l), 1
-    return ids, mask, lab
 
 
 def _reference(model, ids, labels):

@@ -1,0 +1,33 @@
+"""Random token rows and their padded batches, shared by the feature tests."""
+
+import numpy as np
+import torch
+
+from ray_cluster_ft.data import IGNORE_INDEX
+
+VOCAB = 49_152
+
+
+def examples(lengths, prompt_lens, seed=0):
+    """Random int64 token rows; the first ``prompt_len`` tokens of each carry no label."""
+    rng = np.random.default_rng(seed)
+    rows, labels = [], []
+    for n, p in zip(lengths, prompt_lens):
+        ids = rng.integers(0, VOCAB, size=n, dtype=np.int64)
+        lab = ids.copy()
+        lab[:p] = IGNORE_INDEX
+        rows.append(ids)
+        labels.append(lab)
+    return rows, labels
+
+
+def pad(rows, labels, side):
+    """(ids, mask, labels) int64 ``(B, T)`` tensors, padded on ``side`` with an arbitrary non-zero pad id."""
+    t = max(len(r) for r in rows)
+    ids = torch.full((len(rows), t), 7, dtype=torch.long)
+    lab = torch.full((len(rows), t), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), t), dtype=torch.long)
+    for i, (r, l) in enumerate(zip(rows, labels)):
+        sl = slice(0, len(r)) if side == "right" else slice(t - len(r), t)
+        ids[i, sl], lab[i, sl], mask[i, sl] = torch.from_numpy(r), torch.from_numpy(l), 1
+    return ids, mask, lab
