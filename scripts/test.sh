@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a virtual environment in .venv and run the test suite (CPU only; about 7 minutes of tests on 2 idle
-# cores, plus the installs).
+# Set up a virtual environment in .venv and run the test suite (CPU only; about 13 minutes of tests on 2 cores,
+# plus the installs).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
