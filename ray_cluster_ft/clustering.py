@@ -27,13 +27,11 @@ from typing import Literal, Optional, Union
 import numpy as np
 import scipy.sparse as sp
 
-from .capped_kmeans import (  # noqa: F401 - re-exported
+from .capped_kmeans import (
     _CHUNK_ROWS,
     _as_matrix,
     _capped,
-    _centre_distances,
     _check_k,
-    _exact,
     _sq_distance,
     euclidean_kmeans,
     soft_cap_labels,

@@ -31,7 +31,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from .config import ConfigError
-from .select_within import _ORDERS, _WITHIN, _check_int, _unit_rows, select_within  # noqa: F401 - re-exported
+from .select_within import _ORDERS, _check_int, select_within
 
 __all__ = [
     "SelectionStage",

@@ -28,3 +28,14 @@ def demo_tokenizer():
     from ray_cluster_ft.model import load_tokenizer
 
     return load_tokenizer("demo")
+
+
+@pytest.fixture(scope="module")
+def ray_cpu():
+    """A local Ray with 2 CPUs for the module's tests; CPU workers get ``DS_ACCELERATOR=cpu``."""
+    import ray
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}})
+    yield ray
+    ray.shutdown()

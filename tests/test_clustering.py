@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import adjusted_rand_score
 
-from ray_cluster_ft import clustering
+from ray_cluster_ft import capped_kmeans, clustering
 from ray_cluster_ft.clustering import auto_k, cluster_sketches, merge_small_clusters, spherical_kmeans
 
 
@@ -142,7 +142,7 @@ def _published_soft_cap(x, centroids, ratio, metric="sqeuclidean", topk=8):
 
     n, k = x.shape[0], centroids.shape[0]
     cap = -(-Fraction(repr(ratio)) * n // k)  # ceil(ratio * n / k) on the decimal ratio
-    dmat = clustering._centre_distances(np.asarray(x, np.float32), np.asarray(centroids, np.float32), metric)
+    dmat = capped_kmeans._centre_distances(np.asarray(x, np.float32), np.asarray(centroids, np.float32), metric)
     t = min(topk, k)
     nn_idx = np.argsort(dmat, axis=1, kind="stable")[:, :t]
     nn_dist = np.take_along_axis(dmat, nn_idx, axis=1)

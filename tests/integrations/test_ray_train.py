@@ -4,7 +4,6 @@ and the README example trains."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pandas as pd
@@ -26,16 +25,6 @@ def test_plan_datasets_and_config_without_workers(tmp_path):
     assert cfg._datasets_to_split == ["eval"]
     assert any(getattr(v, "preserve_order", False) for v in opts.values())
     assert plan_data_config()._datasets_to_split == []
-
-
-@pytest.fixture(scope="module")
-def ray_cpu():
-    import ray
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}})
-    yield ray
-    ray.shutdown()
 
 
 def _report_ids(config):

@@ -230,16 +230,6 @@ def test_build_rank_tables_joins_in_plan_order():
 
 
 @pytest.fixture(scope="module")
-def ray_cpu():
-    import ray
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}})
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from ray_cluster_ft.model import make_tiny_model
 
