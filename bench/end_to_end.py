@@ -498,9 +498,43 @@ def _ran(res: dict | None) -> bool:
     return bool(res) and "timings_s" in res
 
 
-def base_run(seed_results: dict) -> dict:
-    """The full-data baseline of one seed: ``full``, else ``full_random`` (``{}`` if neither ran)."""
-    return next((seed_results[a] for a in ("full", "full_random") if _ran(seed_results.get(a))), {})
+def arm_key(arm: str, args, seed: int, paths: list[str], eval_paths: list[str], out: Path, budget) -> str:
+    """What an arm's figures depend on: its job config, the evaluation settings and the package's code. A kept
+    result (``--resume``) is used only when this key matches, so a changed flag or package runs the arm again."""
+    cfg = arm_config(arm, args, seed, paths, eval_paths, out / f"seed{seed}" / arm, budget)
+    # The package's tree hash, not HEAD: a commit that changes only the benchmark's summary keeps the arms' runs.
+    code = subprocess.run(["git", "rev-parse", "HEAD:ray_cluster_ft"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+    return json.dumps({"config": cfg, "package_tree": code, "reuse_sketches": args.reuse_sketches}, sort_keys=True,
+                      default=str)
+
+
+def _arm_file(out: Path, seed: int, arm: str) -> Path:
+    # Beside, not inside, the arm's run directory: a fresh run there may remove what no run of it wrote.
+    return out / f"seed{seed}" / f"{arm}.bench.json"
+
+
+def read_arm(out: Path, seed: int, arm: str, key: str) -> dict | None:
+    """The figures an earlier benchmark run kept for this arm and seed, or None (none, other key, unreadable)."""
+    try:
+        kept = json.loads(_arm_file(out, seed, arm).read_text())
+    except (OSError, ValueError):
+        return None
+    return kept["figures"] if kept.get("key") == key and _ran(kept.get("figures")) else None
+
+
+def write_arm(out: Path, seed: int, arm: str, key: str, figures: dict) -> None:
+    path = _arm_file(out, seed, arm)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "figures": _clean(figures)}, default=str))
+    tmp.replace(path)
+
+
+def base_run(seed_results: dict, fallback: dict | None = None) -> dict:
+    """The full-data baseline of one seed: ``full``, else ``full_random``; where the seed ran neither (the issue
+    asks for 2 seeds of every *subset* arm, and the full arm is the costliest), ``fallback``: the first seed's."""
+    own = next((seed_results[a] for a in ("full", "full_random") if _ran(seed_results.get(a))), {})
+    return own or (fallback or {})
 
 
 def summarise(results: dict, arms: list[str], seeds: list[int], domains: list[str], files: list[str]) -> dict:
@@ -524,7 +558,8 @@ def summarise(results: dict, arms: list[str], seeds: list[int], domains: list[st
         for f in files:
             for key in TASK_METRICS:
                 row[f"file_{f}_{key}"] = _ms([_file_metric(r, f, key) for r in runs])
-        base = [base_run(results[s]) for s in row["seeds"]]
+        first = next((base_run(results[s]) for s in seeds if base_run(results[s])), {})
+        base = [base_run(results[s], first) for s in row["seeds"]]
         for name, num in (("train_ratio", lambda r: r["timings_s"]["train"]), ("e2e_ratio", lambda r: r["e2e_s"]),
                           ("step_time_ratio", lambda r: r["step_time_s"]),
                           ("loss_ratio", lambda r: r["heldout_loss"])):
@@ -732,6 +767,8 @@ def headline(summary: dict, args, seeds: list[int], files: list[str], candidates
         ("loss_gap", "<= 0.02", fig["loss_gap"] is not None and fig["loss_gap"] <= 0.02),
         ("random_loss_gap", ">= loss_gap", fig["loss_gap"] is not None and fig["random_loss_gap"] is not None
          and fig["loss_gap"] <= fig["random_loss_gap"]),
+        ("paper_loss_gap", ">= loss_gap", fig["loss_gap"] is not None and fig["paper_loss_gap"] is not None
+         and fig["loss_gap"] <= fig["paper_loss_gap"]),
     ]
     return fig
 
@@ -822,6 +859,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="smoke run: tiny pool, 1 epoch, 2 code problems, seed 0")
     p.add_argument("--extra-seed-arms", nargs="+", default=None, choices=list(ARMS),
                    help="arms run for the seeds after the first (default: every arm for every seed)")
+    p.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="run every arm again instead of using the figures an earlier run kept (OUT/seedS/ARM.bench.json)"
+                   " for the same config and package code")
     p.add_argument("--no-reuse-sketches", dest="reuse_sketches", action="store_false",
                    help="let the gradient arms sketch again instead of starting from the method arm's shards")
     args = p.parse_args(argv)
@@ -872,8 +912,16 @@ def main(argv=None) -> dict:
                 b = budget
                 if arm == "random_subset" and donor is not None:
                     b = donor["selected"]  # as many rows as the method trained
+                key = arm_key(arm, args, seed, paths, eval_paths, out, b)
+                kept = read_arm(out, seed, arm, key) if args.resume else None
+                if kept is not None:
+                    done[arm] = kept
+                    print(f"[bench] seed {seed} arm {arm}: figures of an earlier run with the same config", flush=True)
+                    continue
                 done[arm] = run_arm(arm, args, seed, paths, eval_paths, out, b,
                                     sketch_donor=donor if args.reuse_sketches else None, evaluator_for=evaluator_for)
+                if _ran(done[arm]):
+                    write_arm(out, seed, arm, key, done[arm])
     finally:
         import ray
 
