@@ -115,6 +115,9 @@ class ModelConfig(_Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="attention kernel of the trained model (flash_attention_2 needs the flash-attn package "
                             "on the GPU workers)")
+    cache_dir: str | None = Field(
+        None, description="where the driver puts a converted or downloaded model (`demo`, a hub id) once, on storage "
+                          "every node reads; null = a folder `.model-cache` beside output.dir")
 
 
 class SketchConfig(_Section):
@@ -161,6 +164,9 @@ class SketchConfig(_Section):
     num_actors: int | None = Field(
         None, ge=1, description="sketch actors; null = train.num_workers with use_gpu (the autoscaler brings the GPUs "
                                 "up), else one per CPU slot")
+    store: str | None = Field(
+        None, min_length=1, description="content-addressed feature store (a local path, s3://, gs://): rows whose "
+                                        "features it holds for these settings and this model are read, not computed")
 
     @model_validator(mode="after")
     def _warmup_needs_gradients(self) -> "SketchConfig":
@@ -187,6 +193,13 @@ class ClusteringConfig(_Section):
     algorithm: Literal["spherical", "kmeans"] = "spherical"
     max_cluster_ratio: float | None = Field(
         None, gt=1, description="soft cap on cluster sizes, ceil(ratio * N / K) points; null = off")
+    from_run: str | None = Field(
+        None, min_length=1, description="an earlier run directory whose cluster map (centroids) is reused: every row "
+                                        "is assigned to its nearest centroid instead of clustering again")
+    max_drift: float = Field(
+        0.2, ge=0.0, le=1.0, description="from_run only: share of rows farther from every centroid than that run's "
+                                         "95th-percentile distance above which the report suggests re-clustering")
+    refit: bool = Field(False, description="from_run only: warm-start k-means from the old centroids")
 
     @field_validator("max_cluster_ratio", mode="before")
     @classmethod
@@ -227,6 +240,24 @@ class SelectionConfig(_Section):
     dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates")
     seed: int = _seed("selection seed")
     ratio: float = Field(0.5, gt=0, le=1.0, description="equalize only: share of the smallest cluster kept per cluster")
+    budget_tokens: float | None = Field(
+        None, gt=0, description="budget in tokens instead of examples: a fraction in (0, 1] of all candidate tokens, "
+                                "or a count if > 1; water-filled per cluster in tokens (balanced, random); null = "
+                                "selection.budget counts examples")
+
+    @field_validator("budget_tokens", mode="before")
+    @classmethod
+    def _budget_tokens_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("selection.budget_tokens must be a fraction or a count, not a boolean")
+        return v
+
+    @field_validator("budget_tokens")
+    @classmethod
+    def _budget_tokens_shape(cls, v: float | None) -> float | None:
+        if v is not None and v > 1 and v != int(v):
+            raise ValueError("a fraction must be in (0, 1], a count must be whole")
+        return v
 
     @field_validator("ratio", mode="before")
     @classmethod
@@ -264,6 +295,9 @@ class AllocationConfig(_Section):
     allow_shared_clusters: bool = Field(
         False, description="cluster only: run with clustering.k below train.num_workers (ranks of a step then "
                            "share clusters); off, such a config is refused")
+    packing: bool = Field(
+        False, description="a micro-batch is a pack: whole examples concatenated up to "
+                           "train.max_tokens_per_micro_batch tokens, position_ids restarting per example, no padding")
 
 
 class LoraConfig(_Section):
@@ -320,6 +354,10 @@ class TrainConfig(_Section):
                           "restoring every cluster's share of the data; none: weight 1; null = cluster for the "
                           "balanced and equalize selections, none otherwise")
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = no limit")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=8, description="allocation.packing only: tokens per pack at most (whole examples, never cut)")
+    final_checkpoint: bool = Field(
+        True, description="write a last checkpoint after the final step (off when only final_model/ is wanted)")
 
     @model_validator(mode="after")
     def _precision_on_its_device(self) -> "TrainConfig":
@@ -423,6 +461,19 @@ class JobConfig(_Section):
         if self.train.loss_weighting is None:
             balanced = self.selection.strategy in ("balanced", "equalize")
             self.train.loss_weighting = "cluster" if balanced else "none"
+        return self
+
+    @model_validator(mode="after")
+    def _packing_needs_a_size(self) -> "JobConfig":
+        m = self.train.max_tokens_per_micro_batch
+        if self.allocation.packing and m is None:
+            raise ValueError("allocation.packing: true needs train.max_tokens_per_micro_batch (tokens per pack)")
+        if not self.allocation.packing and m is not None:
+            raise ValueError("train.max_tokens_per_micro_batch sizes packs: it needs allocation.packing: true")
+        if self.allocation.packing and m < self.data.max_seq_len:
+            raise ValueError(
+                f"train.max_tokens_per_micro_batch={m} is below data.max_seq_len={self.data.max_seq_len}: a pack never "
+                f"cuts an example, so every example must fit one pack; raise it to at least {self.data.max_seq_len}")
         return self
 
     @model_validator(mode="after")
