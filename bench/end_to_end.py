@@ -918,8 +918,11 @@ def main(argv=None) -> dict:
                     done[arm] = kept
                     print(f"[bench] seed {seed} arm {arm}: figures of an earlier run with the same config", flush=True)
                     continue
+                load0 = os.getloadavg()
                 done[arm] = run_arm(arm, args, seed, paths, eval_paths, out, b,
                                     sketch_donor=donor if args.reuse_sketches else None, evaluator_for=evaluator_for)
+                # Wall times are only comparable between arms run at a similar load: each arm keeps its own.
+                done[arm]["load_1m_before"], done[arm]["load_15m_after"] = load0[0], os.getloadavg()[2]
                 if _ran(done[arm]):
                     write_arm(out, seed, arm, key, done[arm])
     finally:
