@@ -20,7 +20,16 @@ full_cluster           ablation: allocation only                   full       cl
 full_length            ablation: group by length                   full       length            (none)
 embedding              ablation: embedding sketches                balanced   cluster           embedding
 balanced_cluster_bf16  3 with a bf16 sketch                        balanced   cluster           gradient, bf16
+full_packed            the strongest conventional baseline: all    full       random, packed    (none)
+                       data packed in random order (TRL
+                       ``packing=True``, axolotl sample packing)
+ours_packed            ours with packed micro-batches, weighted    balanced   cluster, packed   gradient
 =====================  ==========================================  =========  ================  ==========
+
+The packed arms set ``allocation.packing: true`` and ``train.max_tokens_per_micro_batch = --micro-batch x
+--max-seq-len`` (1,536 tokens in the paper setup): a pack may hold what a padded micro-batch could hold at most,
+so the packed and padded arms train with the same activation memory per micro-batch, and a pack of short rows
+carries more examples instead of padding.
 
 Two data setups (``--setup``):
 
@@ -94,6 +103,8 @@ ARMS = {
     "full_length": ("full data, grouped by length", "full", "length", None),
     "embedding": ("balanced (embedding sketches), cluster allocation", "balanced", "cluster", "embedding"),
     "balanced_cluster_bf16": ("3 with the sketch under bf16 autocast", "balanced", "cluster", "gradient"),
+    "full_packed": ("full data, random order, packed", "full", "random", None),
+    "ours_packed": ("ours, packed micro-batches", "balanced", "cluster", "gradient"),
 }
 # Config keys an arm sets beyond its selection/allocation/sketch method (merged over the shared settings).
 # bf16 autocast is what `sketch.dtype: auto` does on CUDA; on a CPU with native bf16 (AVX512-BF16, AMX) it
@@ -103,12 +114,17 @@ ARM_OVERRIDES = {
     "ours": {"train": {"loss_weighting": "cluster"}},
     "ours_unweighted": {"train": {"loss_weighting": "none"}},
     "balanced_cluster_bf16": {"sketch": {"dtype": "bfloat16"}},
+    # train.max_tokens_per_micro_batch is set by arm_config from --micro-batch x --max-seq-len.
+    "full_packed": {"allocation": {"packing": True}},
+    "ours_packed": {"allocation": {"packing": True}, "train": {"loss_weighting": "cluster"}},
 }
 # Arms that are the same run under two names: the second one requested copies the first one's figures.
 ALIASES = {"full": "full_random", "full_random": "full"}
 # The order arms run in: the method before the arms that take its selected count or its sketch shards.
-RUN_ORDER = ["full", "full_random", "ours", "balanced_cluster", "ours_unweighted", "random_subset", "paper",
-             "balanced_random", "full_cluster", "full_length", "embedding", "balanced_cluster_bf16"]
+RUN_ORDER = ["full", "full_random", "full_packed", "ours", "ours_packed", "balanced_cluster", "ours_unweighted",
+             "random_subset", "paper", "balanced_random", "full_cluster", "full_length", "embedding",
+             "balanced_cluster_bf16"]
+PACKED_BASE = "full_packed"  # the baseline of the *_packed ratios
 SETUPS = {
     "paper": {"arms": ["paper", "ours", "ours_unweighted", "random_subset", "full"], "seeds": [0, 1],
               "examples": 224, "epochs": 2, "max_seq_len": 384, "eval_fraction": 0.0, "max_eval": 0,
@@ -307,7 +323,11 @@ def arm_config(arm: str, args, seed: int, paths: list[str], eval_paths: list[str
         "evaluation": evaluation,
         "output": {"dir": str(run_dir), "save_model": True},
     }
-    return _merge(cfg, over)
+    cfg = _merge(cfg, over)
+    if cfg["allocation"].get("packing"):
+        # A pack holds at most what a padded micro-batch of the same arm could (see the module docstring).
+        cfg["train"].setdefault("max_tokens_per_micro_batch", args.micro_batch * args.max_seq_len)
+    return cfg
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -566,6 +586,14 @@ def summarise(results: dict, arms: list[str], seeds: list[int], domains: list[st
             row[name] = _ms([num(r) / num(b) if _ran(b) and num(b) else float("nan") for r, b in zip(runs, base)])
         m, s = row["loss_ratio"]
         row["loss_gap"] = (m - 1, s)
+        # The same ratios against the packed baseline (full_packed of the same seed, else the first seed's).
+        pfirst = next((results[s][PACKED_BASE] for s in seeds if _ran(results[s].get(PACKED_BASE))), {})
+        pbase = [results[s][PACKED_BASE] if _ran(results[s].get(PACKED_BASE)) else pfirst for s in row["seeds"]]
+        for name, num in (("train_ratio_packed", lambda r: r["timings_s"]["train"]),
+                          ("e2e_ratio_packed", lambda r: r["e2e_s"]), ("loss_ratio_packed", lambda r: r["heldout_loss"])):
+            row[name] = _ms([num(r) / num(b) if _ran(b) and num(b) else float("nan") for r, b in zip(runs, pbase)])
+        m, s = row["loss_ratio_packed"]
+        row["loss_gap_packed"] = (m - 1, s)
         summary[arm] = row
     return summary
 
@@ -756,6 +784,14 @@ def headline(summary: dict, args, seeds: list[int], files: list[str], candidates
         "train_ratio_bf16_sketch": mean("balanced_cluster_bf16", "train_ratio"),
         "e2e_ratio_bf16_sketch": mean("balanced_cluster_bf16", "e2e_ratio"),
         "loss_gap_bf16_sketch": mean("balanced_cluster_bf16", "loss_gap"),
+        # Packed: ours_packed against full_packed (the strongest conventional baseline), per seed, averaged.
+        "e2e_ratio_packed": mean("ours_packed", "e2e_ratio_packed"),
+        "train_ratio_packed": mean("ours_packed", "train_ratio_packed"),
+        "loss_gap_packed": mean("ours_packed", "loss_gap_packed"),
+        "full_packed_e2e_ratio": mean("full_packed", "e2e_ratio"),
+        "full_packed_train_ratio": mean("full_packed", "train_ratio"),
+        "loss_full_packed": mean("full_packed", "heldout_loss"),
+        "loss_ours_packed": mean("ours_packed", "heldout_loss"),
     }
     fig.update(setup=args.setup, candidates=candidates, seeds=seeds, epochs=args.epochs, examples=args.examples,
                eval_rows=args.eval_rows if files else None, max_seq_len=args.max_seq_len, workers=args.workers,
@@ -764,6 +800,8 @@ def headline(summary: dict, args, seeds: list[int], files: list[str], candidates
     fig["goals"] = [
         ("train_ratio", "<= 0.20", fig["train_ratio"] is not None and fig["train_ratio"] <= 0.20),
         ("e2e_ratio", "<= 0.30", fig["e2e_ratio"] is not None and fig["e2e_ratio"] <= 0.30),
+        ("e2e_ratio_packed", "<= 0.40", fig["e2e_ratio_packed"] is not None and fig["e2e_ratio_packed"] <= 0.40),
+        ("loss_gap_packed", "<= 0.02", fig["loss_gap_packed"] is not None and fig["loss_gap_packed"] <= 0.02),
         ("loss_gap", "<= 0.02", fig["loss_gap"] is not None and fig["loss_gap"] <= 0.02),
         ("random_loss_gap", ">= loss_gap", fig["loss_gap"] is not None and fig["random_loss_gap"] is not None
          and fig["loss_gap"] <= fig["random_loss_gap"]),
@@ -795,7 +833,9 @@ def arm_figures(s: dict, domains: list[str], files: list[str]) -> dict:
                       ("tokens_trained", "tokens_trained"), ("padding_fraction", "padding_fraction"),
                       ("selection_pass_s", "selection_pass_s"), ("t_train", "train_s"), ("step_time_s", "step_time_s"),
                       ("e2e_s", "e2e_s"), ("heldout_loss", "heldout_loss"), ("loss_gap", "loss_gap"),
-                      ("train_ratio", "train_ratio"), ("e2e_ratio", "e2e_ratio")):
+                      ("train_ratio", "train_ratio"), ("e2e_ratio", "e2e_ratio"),
+                      ("train_ratio_packed", "train_ratio_packed"), ("e2e_ratio_packed", "e2e_ratio_packed"),
+                      ("loss_gap_packed", "loss_gap_packed")):
         out[name] = list(s[key])
     if files:
         out["files"] = {f: {k: list(s[f"file_{f}_{k}"]) for k in TASK_METRICS if np.isfinite(s[f"file_{f}_{k}"][0])}

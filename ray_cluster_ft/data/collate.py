@@ -1,5 +1,6 @@
-"""The one collate function: token rows -> a padded batch (ids, attention mask, labels), for training,
-sketching and evaluation alike."""
+"""The collate functions: token rows -> a padded batch (ids, attention mask, labels), for training, sketching
+and evaluation alike (:func:`collate`); or -> one packed sequence (ids, position ids, labels, no padding) for a
+packed micro-batch (:func:`pack`, ``allocation.packing``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
-__all__ = ["IGNORE_INDEX", "collate", "as_token_rows"]
+__all__ = ["IGNORE_INDEX", "collate", "as_token_rows", "pack"]
 
 IGNORE_INDEX = -100
 """Label of tokens without loss (prompt and padding), the Hugging Face convention."""
@@ -73,4 +74,64 @@ def collate(
         out_lab = np.full(mask.shape, IGNORE_INDEX, dtype=np.int64)
         out_lab[mask] = np.concatenate(lab)
         out["labels"] = out_lab
+    return out
+
+
+def pack(
+    input_ids: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]] | None = None,
+    flash_attn_kwargs: bool = False,
+) -> dict[str, Any]:
+    """Concatenate B whole examples into one sequence of ``N = sum_i L_i`` tokens, with transformers'
+    ``DataCollatorWithFlattening`` (padding-free training).
+
+    The result goes to the model as ``input_ids``, ``position_ids`` and no ``attention_mask``: transformers 5
+    then keeps attention inside each example. Read in the installed transformers 5.24 source:
+    ``masking_utils._preprocess_mask_arguments`` calls ``find_packed_sequence_indices(position_ids)`` when
+    ``attention_mask`` is None and there is no cache (``use_cache=False``); that function starts a new sequence
+    wherever ``position_ids`` does not grow by exactly 1, and ``create_causal_mask`` then ANDs the causal mask
+    with ``packed_sequence_mask_function`` (same sequence index) and re-maps positions per sequence, so sdpa and
+    eager get a block-diagonal causal mask. ``flash_attention_2`` takes the varlen path from
+    ``cu_seq_lens_q/k`` + ``max_length_q/k`` (``modeling_flash_attention_utils._flash_attention_forward``,
+    "padding free ... cu_seqlen and max_length are provided"), or infers them from ``position_ids`` (a device
+    sync per layer) when they are absent. The tests compare packed against per-example forwards and backwards
+    rather than trusting this reading.
+
+    Labels: the collator writes ``-100`` over the first label of every example, so the last token of one
+    example never predicts the first of the next (a causal LM never trains on the first label anyway, see
+    :func:`ray_cluster_ft.train.rank_data.label_token_counts`); the other labels are the rows' own, ``-100``
+    included.
+
+    Args:
+        input_ids: B integer sequences (lengths L_i >= 1).
+        labels: B sequences of the same lengths, or ``None`` (train on every token but each example's first).
+        flash_attn_kwargs: also return ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 ``(B + 1,)``, the cumulative
+            lengths from 0) and ``max_length_q``/``max_length_k`` (int, ``max L_i``) for flash-attention varlen.
+
+    Returns:
+        ``input_ids``, ``position_ids`` (0..L_i-1 per example), ``labels``: int64 ``(1, N)``; ``lengths``:
+        int64 ``(B,)``; plus the flash-attention keys when asked. No ``attention_mask``.
+
+    Raises:
+        ValueError: an empty batch or sequence, mismatched counts or lengths.
+    """
+    from transformers import DataCollatorWithFlattening
+
+    if len(input_ids) == 0 or (labels is not None and len(input_ids) != len(labels)):
+        n_lab = None if labels is None else len(labels)
+        raise ValueError(f"pack: need B >= 1 equal-count sequences, got {len(input_ids)} and {n_lab}")
+    ids = [np.asarray(x, dtype=np.int64).ravel() for x in input_ids]
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    if lengths.min() < 1:
+        raise ValueError("pack: an empty sequence (the collator would drop it silently)")
+    features = [{"input_ids": x} for x in ids]
+    if labels is not None:
+        lab = [np.asarray(x, dtype=np.int64).ravel() for x in labels]
+        if not np.array_equal(lengths, [len(x) for x in lab]):
+            raise ValueError("pack: input_ids and labels lengths differ")
+        for f, y in zip(features, lab):
+            f["labels"] = y
+    out = DataCollatorWithFlattening(return_tensors="np", return_flash_attn_kwargs=flash_attn_kwargs,
+                                     separator_id=IGNORE_INDEX)(features)
+    out["lengths"] = lengths
     return out

@@ -39,11 +39,12 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset, Sampler
 
 from ..allocate import check_plan
-from ..data.collate import collate
+from ..data.collate import collate, pack
 from ..train import build_rank_tables
 from ..train.rank_data import label_token_counts
 from ..train.step import token_exact_loss
@@ -85,13 +86,15 @@ class PlanShape:
         return self.steps * self.grad_accum
 
 
-def plan_shape(plan: pd.DataFrame, world_size: int | None = None) -> PlanShape:
+def plan_shape(plan: pd.DataFrame, world_size: int | None = None, packed: bool = False) -> PlanShape:
     """Read W, B and G off a plan and enforce its hard rules with :func:`ray_cluster_ft.allocate.check_plan`.
 
     Args:
         plan: the allocation plan (``plan.parquet``): columns ``epoch, step, rank, micro_index, example_id``
             (+ any others).
         world_size: the ranks the caller runs; ``None`` takes ``max(rank) + 1``.
+        packed: a packed plan (``allocation.packing``): any number of rows per micro-batch, so the rules are
+            checked on one row per micro-batch and ``micro_batch_size`` is the most rows of any pack.
 
     Returns:
         :class:`PlanShape`.
@@ -110,7 +113,8 @@ def plan_shape(plan: pd.DataFrame, world_size: int | None = None) -> PlanShape:
     w = int(plan["rank"].max()) + 1 if world_size is None else int(world_size)
     b = int(plan.groupby(["rank", "step", "micro_index"], sort=False).size().max())
     g = int(plan["micro_index"].max()) + 1
-    steps = check_plan(plan, w, b, g)
+    steps = check_plan(plan.drop_duplicates(["rank", "epoch", "step", "micro_index"]), w, 1, g) if packed else \
+        check_plan(plan, w, b, g)
     return PlanShape(world_size=w, micro_batch_size=b, grad_accum=g, steps=steps)
 
 
@@ -131,6 +135,12 @@ def _rank_rows(plan: pd.DataFrame, rank: int) -> pd.DataFrame:
     return plan[plan["rank"].to_numpy() == rank].sort_values(_KEY, kind="stable")
 
 
+def _pack_starts(keys: np.ndarray) -> np.ndarray:
+    """Row index where each micro-batch of a rank's rows (``keys``: ``(n, 3)`` epoch, step, micro_index in
+    training order) begins."""
+    return np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]).any(axis=1)])
+
+
 class PlanBatchSampler(Sampler[list[int]]):
     """One rank's planned micro-batches as positions into the user's dataset, for
     ``DataLoader(dataset, batch_sampler=PlanBatchSampler(plan, example_ids, rank))``.
@@ -148,10 +158,13 @@ class PlanBatchSampler(Sampler[list[int]]):
             dataset, in dataset order: ``example_ids[p]`` is the id of ``dataset[p]``.
         rank: this process's data-parallel rank.
         world_size: the number of ranks you run; ``None`` takes the plan's (``max(rank) + 1``).
+        packed: a packed plan (``allocation.packing``): each micro-batch is a pack of any number of rows; collate
+            it with ``TokenCollator(packed=True)``.
 
     Attributes:
         rank, world_size, micro_batch_size, grad_accum, steps: the plan's sizes (:class:`PlanShape`).
-        positions: int64 ``(len(self), micro_batch_size)``, the positions each micro-batch yields.
+        positions: int64 ``(len(self), micro_batch_size)``, the positions each micro-batch yields (packed: a
+            list of int64 arrays, one per pack).
         keys: int64 ``(len(self), 3)``, the ``(epoch, step, micro_index)`` of each micro-batch.
 
     Raises:
@@ -160,8 +173,9 @@ class PlanBatchSampler(Sampler[list[int]]):
             lacks.
     """
 
-    def __init__(self, plan: pd.DataFrame, example_ids: Sequence[Any], rank: int, world_size: int | None = None):
-        shape = plan_shape(plan, world_size)
+    def __init__(self, plan: pd.DataFrame, example_ids: Sequence[Any], rank: int, world_size: int | None = None,
+                 packed: bool = False):
+        shape = plan_shape(plan, world_size, packed)
         self.rank = _check_rank(rank, shape)
         self.world_size = shape.world_size
         self.micro_batch_size = shape.micro_batch_size
@@ -181,15 +195,21 @@ class PlanBatchSampler(Sampler[list[int]]):
             )
         rows = _rank_rows(plan, self.rank)
         pos = index.get_indexer(rows["example_id"].astype(str).to_numpy()).astype(np.int64)
-        self.positions = pos.reshape(-1, self.micro_batch_size)
-        self.keys = rows[_KEY].to_numpy(np.int64)[:: self.micro_batch_size]
+        keys = rows[_KEY].to_numpy(np.int64)
+        if packed:
+            starts = _pack_starts(keys)
+            self.positions = np.split(pos, starts[1:])
+            self.keys = keys[starts]
+        else:
+            self.positions = pos.reshape(-1, self.micro_batch_size)
+            self.keys = keys[:: self.micro_batch_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         for row in self.positions:
             yield row.tolist()
 
     def __len__(self) -> int:
-        return int(self.positions.shape[0])
+        return len(self.positions)
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored: the plan fixes every epoch's order, and one pass of this sampler covers all epochs."""
@@ -206,6 +226,8 @@ class MicroBatchWeights:
         label_tokens: int64 ``(B,)``, ``|T_i|``: label tokens trained per example (``labels[t] != -100``, t >= 1).
         denominator: ``D``, the step's ``sum_i w_i |T_i|`` over all ranks and micro-batches (from the plan's
             ``step_weighted_tokens``).
+        lengths: int64 ``(B,)``, tokens per example (``len(input_ids)``): what spreads the weights over a pack's
+            tokens.
     """
 
     epoch: int
@@ -215,6 +237,7 @@ class MicroBatchWeights:
     weight: np.ndarray
     label_tokens: np.ndarray
     denominator: float
+    lengths: np.ndarray | None = None
 
     def loss_scale(self, world_size: int, grad_accum: int = 1) -> float:
         """``world_size * grad_accum / D``: the factor on ``token_exact_loss`` before ``backward``.
@@ -230,7 +253,8 @@ class MicroBatchWeights:
 
 
 def plan_loss_weights(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, rank: int,
-                      weights: pd.Series | None = None, world_size: int | None = None) -> list[MicroBatchWeights]:
+                      weights: pd.Series | None = None, world_size: int | None = None,
+                      packed: bool = False) -> list[MicroBatchWeights]:
     """Per planned micro-batch of ``rank``, in :class:`PlanBatchSampler` order: the loss weights and the step's
     token denominator, from :func:`ray_cluster_ft.train.build_rank_tables` (the same numbers this project's own
     trainer uses).
@@ -246,6 +270,7 @@ def plan_loss_weights(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, ran
         weights: per-example loss weight indexed by ``example_id`` (``selection.parquet``'s ``weight``);
             ``None`` weighs every example 1.
         world_size: as in :func:`plan_shape`.
+        packed: a packed plan (as :class:`PlanBatchSampler`'s ``packed``).
 
     Returns:
         ``len(sampler)`` :class:`MicroBatchWeights`.
@@ -255,19 +280,21 @@ def plan_loss_weights(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, ran
             ``build_rank_tables`` rejects (planned ids absent from ``examples`` or ``weights``, duplicate ids,
             examples without a label token to train on, weights that are not finite and positive).
     """
-    shape = plan_shape(plan, world_size)
+    shape = plan_shape(plan, world_size, packed)
     rank = _check_rank(rank, shape)
     t = build_rank_tables(plan, examples, shape.world_size, weights)[rank]
-    b = shape.micro_batch_size
-    ids = np.asarray(t.column("example_id").to_pylist(), dtype=object).reshape(-1, b)
-    w = t.column("weight").to_numpy().reshape(-1, b)
-    n_lab = label_token_counts(t.column("labels")).reshape(-1, b)
-    d = t.column("step_weighted_tokens").to_numpy().reshape(-1, b)[:, 0]
-    key = np.stack([t.column(c).to_numpy() for c in _KEY], axis=1)[::b]
+    keys = np.stack([t.column(c).to_numpy() for c in _KEY], axis=1)
+    starts = _pack_starts(keys) if packed else np.arange(0, t.num_rows, shape.micro_batch_size)
+    ids = np.split(np.asarray(t.column("example_id").to_pylist(), dtype=object), starts[1:])
+    w = np.split(t.column("weight").to_numpy(), starts[1:])
+    n_lab = np.split(label_token_counts(t.column("labels")), starts[1:])
+    lengths = np.split(pc.list_value_length(t.column("input_ids")).to_numpy().astype(np.int64), starts[1:])
+    d = t.column("step_weighted_tokens").to_numpy()[starts]
     return [
         MicroBatchWeights(epoch=int(k[0]), step=int(k[1]), micro_index=int(k[2]), example_ids=tuple(ids[j]),
-                          weight=w[j].copy(), label_tokens=n_lab[j].copy(), denominator=float(d[j]))
-        for j, k in enumerate(key)
+                          weight=w[j].copy(), label_tokens=n_lab[j].copy(), denominator=float(d[j]),
+                          lengths=lengths[j].copy())
+        for j, k in enumerate(keys[starts])
     ]
 
 
@@ -278,7 +305,9 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, mw: MicroBatchW
 
     Args:
         logits: ``(B, T, V)`` causal-LM logits of the micro-batch.
-        labels: int64 ``(B, T)``, ``-100`` where no loss is taken (padding included).
+        labels: int64 ``(B, T)``, ``-100`` where no loss is taken (padding included); or, for a pack
+            (``TokenCollator(packed=True)``), ``(1, N)`` with ``N = sum(mw.lengths)``: the per-example weights
+            then go onto each example's tokens.
         mw: the micro-batch's :class:`MicroBatchWeights`.
 
     Returns:
@@ -288,7 +317,18 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, mw: MicroBatchW
         ValueError: ``labels`` do not hold the micro-batch's planned label-token counts (the wrong micro-batch,
             or a collator that changed the labels, so ``D`` would not count the tokens trained).
     """
-    got = (labels[:, 1:] != -100).sum(dim=1).cpu().numpy()
+    n_rows = len(mw.weight)
+    # One sequence for several rows is a pack (a pack of one row is the same tensor as a padded batch of one).
+    is_pack = labels.shape[0] == 1 and n_rows > 1
+    if is_pack:
+        if mw.lengths is None or labels.shape[1] != int(mw.lengths.sum()):
+            raise ValueError(f"micro-batch (epoch {mw.epoch}, step {mw.step}, micro_index {mw.micro_index}): a pack "
+                             f"of {labels.shape[1]} tokens, the plan's examples hold {mw.lengths}")
+        starts = np.cumsum(mw.lengths) - mw.lengths
+        # a pack's first label of each example is -100 (TokenCollator(packed=True)), as the unpacked shift drops it
+        got = np.add.reduceat((labels[0] != -100).cpu().numpy(), starts)
+    else:
+        got = (labels[:, 1:] != -100).sum(dim=1).cpu().numpy()
     if got.shape != mw.label_tokens.shape or not np.array_equal(got, mw.label_tokens):
         raise ValueError(
             f"micro-batch (epoch {mw.epoch}, step {mw.step}, micro_index {mw.micro_index}): the labels hold "
@@ -296,6 +336,8 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, mw: MicroBatchW
             f"planned micro-batch, and does the collator keep the examples' labels?"
         )
     w = torch.as_tensor(mw.weight, dtype=torch.float32, device=logits.device)
+    if is_pack:
+        w = torch.repeat_interleave(w, torch.as_tensor(mw.lengths, device=logits.device))[None, :]
     return token_exact_loss(logits, labels, w) * mw.loss_scale(world_size, grad_accum)
 
 
@@ -342,22 +384,37 @@ class TokenCollator:
     """Right-pad a list of ``{"input_ids", "labels"}`` items into a batch with the project's one collate
     (:func:`ray_cluster_ft.data.collate.collate`).
 
+    With ``packed=True`` the items become one padding-free sequence instead
+    (:func:`ray_cluster_ft.data.collate.pack`, transformers' ``DataCollatorWithFlattening``): pass
+    ``input_ids`` and ``position_ids`` to the model with no ``attention_mask`` and ``use_cache=False``, and
+    transformers keeps attention inside each example.
+
     Args:
         pad_token_id: id written into padded ``input_ids`` (masked out of attention and loss).
+        packed: pack instead of pad (for :class:`PlanBatchSampler` with ``packed=True``).
+        flash_attn_kwargs: with ``packed``, also return ``cu_seq_lens_q/k`` and ``max_length_q/k`` for
+            ``flash_attention_2`` varlen.
 
     Returns (when called on B items): ``input_ids``, ``attention_mask``, ``labels``: int64 tensors ``(B, T)``
-    (labels ``-100`` on padding; an item without ``labels`` trains on every token); plus ``example_id``
-    (list[str]) when the items carry it.
+    (labels ``-100`` on padding; an item without ``labels`` trains on every token); packed: ``input_ids``,
+    ``position_ids``, ``labels``: int64 ``(1, N)``; plus ``example_id`` (list[str]) when the items carry it.
     """
 
-    def __init__(self, pad_token_id: int = 0):
+    def __init__(self, pad_token_id: int = 0, packed: bool = False, flash_attn_kwargs: bool = False):
         self.pad_token_id = int(pad_token_id)
+        self.packed = bool(packed)
+        self.flash_attn_kwargs = bool(flash_attn_kwargs)
 
     def __call__(self, items: list[dict]) -> dict:
         ids = [np.asarray(it["input_ids"], dtype=np.int64) for it in items]
         labels = [np.asarray(it["labels"] if it.get("labels") is not None else it["input_ids"], dtype=np.int64)
                   for it in items]
-        out: dict[str, Any] = {k: torch.from_numpy(v) for k, v in collate(ids, labels, self.pad_token_id).items()}
+        if self.packed:
+            host = pack(ids, labels, flash_attn_kwargs=self.flash_attn_kwargs)
+            host.pop("lengths")
+            out: dict[str, Any] = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in host.items()}
+        else:
+            out = {k: torch.from_numpy(v) for k, v in collate(ids, labels, self.pad_token_id).items()}
         if all("example_id" in it for it in items):
             out["example_id"] = [str(it["example_id"]) for it in items]
         return out

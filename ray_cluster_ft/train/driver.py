@@ -141,6 +141,16 @@ def _trainer(cfg: TrainConfig, tables: list[pa.Table], run_dir: Path, loop_confi
     )
 
 
+def _check_plan(plan: pd.DataFrame, world: int, cfg: TrainConfig, packing: bool) -> int:
+    """:func:`ray_cluster_ft.allocate.check_plan` (the hard rules: every rank, even micro-batch counts,
+    ``micro_index`` 0..G-1 per rank and step, steps within an epoch); returns the optimizer steps. A packed plan
+    has any number of rows per micro-batch, so its rules are checked on one row per micro-batch (size 1)."""
+    if not packing:
+        return check_plan(plan, world, cfg.micro_batch_size, cfg.grad_accum)
+    key = [c for c in ("rank", "epoch", "step", "micro_index") if c in plan.columns]
+    return check_plan(plan.drop_duplicates(key), world, 1, cfg.grad_accum)
+
+
 # Long for its docstring (about 50 lines: arguments, fault tolerance, errors); the trainer is built by _trainer.
 def train(
     plan: pd.DataFrame,
@@ -155,6 +165,7 @@ def train(
     resume: bool = False,
     weights: pd.Series | None = None,
     attn_implementation: str | None = None,
+    packing: bool = False,
 ) -> TrainResult:
     """Train ``model_path`` on exactly the planned micro-batches with Ray Train + DeepSpeed.
 
@@ -179,6 +190,10 @@ def train(
         weights: per-example loss weights indexed by ``example_id`` (the selection weights, for
             ``train.loss_weighting: cluster``); ``None`` weighs every example 1. Either way the loss is
             token-exact (:mod:`ray_cluster_ft.train.step`).
+        packing: the plan's micro-batches are packs (``allocation.packing``): any number of whole rows per
+            ``(rank, step, micro_index)``, at most ``cfg.max_tokens_per_micro_batch`` tokens each (when set), each
+            trained as one padding-free sequence with ``position_ids`` restarting per example
+            (:func:`ray_cluster_ft.data.collate.pack`). ``cfg.micro_batch_size`` is then not a row count.
         resume: continue from the newest complete checkpoint under ``run_dir/ray_train`` (a stopped run of the
             same plan: Ray's latest, or a newer complete one on disk; incomplete ones are skipped and reported);
             False starts clean, deleting that run's checkpoints and logs. Checkpoints other than the final one
@@ -192,7 +207,8 @@ def train(
         :class:`TrainResult`.
 
     Raises:
-        ValueError: an uneven or malformed plan, or plan/examples that do not join (before any worker starts).
+        ValueError: an uneven or malformed plan, a pack over ``cfg.max_tokens_per_micro_batch`` tokens, or
+            plan/examples that do not join (before any worker starts).
         FileNotFoundError: ``model_path`` is a missing local folder.
         RuntimeError: the workers trained something other than the plan.
         ray.train.TrainingFailedError: a worker failed.
@@ -200,9 +216,10 @@ def train(
     from ..model import resolve_model_path
 
     world = cfg.num_workers
-    total_steps = check_plan(plan, world, cfg.micro_batch_size, cfg.grad_accum)
+    total_steps = _check_plan(plan, world, cfg, packing)
     n_micro = total_steps * cfg.grad_accum
-    tables = build_rank_tables(plan, examples, world, weights)
+    tables = build_rank_tables(plan, examples, world, weights,
+                               max_tokens_per_pack=cfg.max_tokens_per_micro_batch if packing else None)
     model_dir = resolve_model_path(model_path)
     tokenizer = None
     if save_model:
@@ -243,6 +260,7 @@ def train(
         "plan_hash": this_plan,
         "fail_at_step": os.environ.get(FAIL_AT_STEP_ENV),
         "resume_checkpoint": resume_from,
+        "packing": bool(packing),
     })
     t0 = time.perf_counter()
     result = _fit(trainer)
@@ -330,5 +348,5 @@ def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_p
     res = train(plan, planned, cfg.train, model_path, run_dir, trust_remote_code=cfg.model.trust_remote_code,
                 save_model=cfg.output.save_model, pad_token_id=pad_token_id, resume=resume,
                 weights=weights if cfg.train.loss_weighting == "cluster" else None,
-                attn_implementation=cfg.model.attn_implementation)
+                attn_implementation=cfg.model.attn_implementation, packing=cfg.allocation.packing)
     return res

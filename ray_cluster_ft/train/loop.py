@@ -6,6 +6,7 @@ import json
 import tempfile
 import time
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,16 +23,45 @@ __all__ = ["FAIL_AT_STEP_ENV", "train_loop_per_worker"]
 FAIL_AT_STEP_ENV = "RAY_CLUSTER_FT_FAIL_AT_STEP"  # fault injection for tests: rank 0 raises once at this step
 
 
-def _check_micro_batch(batch: dict[str, np.ndarray], micro_batch_size: int) -> tuple[int, int, int]:
-    """(epoch, step, micro_index) of a batch that must be exactly one planned micro-batch."""
+def _check_micro_batch(batch: dict[str, np.ndarray], micro_batch_size: int | None) -> tuple[int, int, int]:
+    """(epoch, step, micro_index) of a batch that must be exactly one planned micro-batch: ``micro_batch_size``
+    rows, or (``None``, a pack) any number of rows of one key."""
     n = len(batch["example_id"])
     key = tuple(np.unique(batch[c]) for c in _KEY)
-    if n != micro_batch_size or any(k.size != 1 for k in key):
+    if (micro_batch_size is not None and n != micro_batch_size) or any(k.size != 1 for k in key):
+        size = "any number of" if micro_batch_size is None else str(micro_batch_size)
         raise RuntimeError(
             f"a batch of {n} rows spans (epoch, step, micro_index) values {[k.tolist() for k in key]}; expected "
-            f"exactly one planned micro-batch of {micro_batch_size} rows (is the dataset order preserved?)"
+            f"exactly one planned micro-batch of {size} rows (is the dataset order preserved?)"
         )
     return int(key[0][0]), int(key[1][0]), int(key[2][0])
+
+
+def _micro_batches(shard, micro_batch_size: int, packed: bool, chunk_rows: int = 256):
+    """One rank's planned micro-batches, in order, as numpy dicts (ragged token columns as object arrays).
+
+    Unpacked plans have ``micro_batch_size`` rows per micro-batch, read as batches of that size. A pack has as
+    many rows as fit its token budget, so packed plans are read in chunks of ``chunk_rows`` rows (pyarrow, so
+    ragged columns concatenate safely) and cut wherever ``(epoch, step, micro_index)`` changes; the last
+    micro-batch of a chunk waits for the next chunk."""
+    if not packed:
+        yield from shard.iter_batches(batch_size=micro_batch_size, batch_format="numpy")
+        return
+    import pyarrow as pa
+
+    def as_numpy(t):
+        return {c: t.column(c).to_numpy(zero_copy_only=False) for c in t.column_names}
+
+    buf = None
+    for chunk in shard.iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
+        buf = chunk if buf is None else pa.concat_tables([buf, chunk])
+        key = np.stack([buf.column(c).to_numpy() for c in _KEY], axis=1)
+        starts = [0, *(np.flatnonzero((key[1:] != key[:-1]).any(axis=1)) + 1).tolist()]
+        for a, z in pairwise(starts):
+            yield as_numpy(buf.slice(a, z - a))
+        buf = buf.slice(starts[-1])
+    if buf is not None and buf.num_rows:
+        yield as_numpy(buf)
 
 
 def _append_jsonl(fh, rows: list[dict]) -> None:
@@ -48,11 +78,11 @@ def _truncate_lines(path: Path, keep: int) -> None:
     path.write_text("".join(complete[:keep]), encoding="utf-8")
 
 
-def _restore(engine, rank: int, plan_hash: str, disk_checkpoint: str | None) -> int:
+def _restore(engine, rank: int, plan_hash: str, disk_checkpoint: str | None) -> tuple[int, int | None]:
     """Load the newest checkpoint into ``engine``: Ray's latest, or ``disk_checkpoint`` (the newest complete one
     the driver found on disk, see :func:`ray_cluster_ft.train.newest_complete_checkpoint`) when that is further
     along (an interrupt can stop the run before Ray records the checkpoints it wrote). Returns the micro-batches
-    already trained."""
+    already trained and the rows they held (``None`` from a checkpoint that did not record them)."""
     import contextlib
 
     import ray.train
@@ -66,7 +96,7 @@ def _restore(engine, rank: int, plan_hash: str, disk_checkpoint: str | None) -> 
                 pos = json.loads(pos_file.read_text())
                 found.append((int(pos["micro_batches_done"]), d, pos))
         if not found:
-            return 0
+            return 0, 0
         done, d, pos = max(found, key=lambda f: f[0])
         if pos.get("plan_hash") != plan_hash:
             raise RuntimeError(
@@ -75,13 +105,13 @@ def _restore(engine, rank: int, plan_hash: str, disk_checkpoint: str | None) -> 
         load_path, _ = engine.load_checkpoint(d, tag=pos["tag"])
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint '{pos['tag']}' in {d}")
-    return done
+    return done, pos.get("rows_done")
 
 
-def _checkpoint(engine, rank: int, done: int, steps_done: int, plan_hash: str, metrics: dict) -> None:
-    """Every rank saves its DeepSpeed shard and its plan position; Ray merges them into one checkpoint. The
-    position file lists the files this rank wrote with their sizes, so a checkpoint cut short by an interrupt
-    can be told from a complete one."""
+def _checkpoint(engine, rank: int, done: int, steps_done: int, plan_hash: str, metrics: dict, rows_done: int) -> None:
+    """Every rank saves its DeepSpeed shard and its plan position (micro-batches and rows trained: a pack's row
+    count varies); Ray merges them into one checkpoint. The position file lists the files this rank wrote with
+    their sizes, so a checkpoint cut short by an interrupt can be told from a complete one."""
     import ray.train
 
     tag = f"step{steps_done}"
@@ -90,8 +120,8 @@ def _checkpoint(engine, rank: int, done: int, steps_done: int, plan_hash: str, m
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
         # One position file per rank, so Ray's merge of the ranks' checkpoint folders cannot collide.
         (Path(tmp) / f"plan_position_rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "micro_batches_done": done, "steps_done": steps_done, "tag": tag, "plan_hash": plan_hash,
-             "files": files}))
+            {"rank": rank, "micro_batches_done": done, "rows_done": rows_done, "steps_done": steps_done, "tag": tag,
+             "plan_hash": plan_hash, "files": files}))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
@@ -168,7 +198,8 @@ def _end_of_step(loss_acc, tokens: tuple[int, int], step_time: float, fwd_s: flo
 
     Returns:
         float64 ``(world, 5)``: this rank's share of the token-exact step loss (their sum is the step's loss),
-        real tokens, padded tokens, step seconds, forward seconds; and the per-rank approximate compute and wait
+        real tokens, padded tokens (token positions of the micro-batch tensors: real + padding), step seconds,
+        forward seconds; and the per-rank approximate compute and wait
         seconds.
     """
     import torch
@@ -196,7 +227,8 @@ def _log_row(step: int, epoch: int, g: np.ndarray, compute: np.ndarray, wait: np
     """One row of ``train_log.jsonl`` from :func:`_end_of_step`'s figures."""
     slowest = float(g[:, 3].max())
     return {"step": step, "epoch": epoch, "loss": float(g[:, 0].sum()), "tokens": int(g[:, 1].sum()),
-            "padded_tokens": int(g[:, 2].sum()), "step_time_s": slowest,
+            "padded_tokens": int(g[:, 2].sum()), "padding_tokens": int(g[:, 2].sum() - g[:, 1].sum()),
+            "step_time_s": slowest,
             "tokens_per_s": float(g[:, 1].sum()) / max(slowest, 1e-9), "lr": lr,
             "step_time_s_per_rank": g[:, 3].round(4).tolist(),
             "compute_s_per_rank": compute.round(4).tolist(), "wait_s_per_rank": wait.round(4).tolist(),
@@ -211,6 +243,10 @@ def train_loop_per_worker(config: dict) -> None:
     (or a driver-level resume) the worker loads the latest checkpoint, cuts its logs back to the checkpoint's
     plan position and skips that many micro-batches of its (re-created, same order) dataset iterator, so every
     planned micro-batch is trained exactly once in the final model's history.
+
+    With ``config["packing"]`` every micro-batch is a pack (any number of rows of one ``(epoch, step,
+    micro_index)``), trained as one padding-free sequence (:func:`ray_cluster_ft.train.step.micro_batch_to_device`);
+    with ``flash`` in ``config["attn_implementation"]`` the pack carries flash-attention's varlen arguments.
     """
     import ray.train
     import torch
@@ -223,12 +259,18 @@ def train_loop_per_worker(config: dict) -> None:
     total_steps, n_micro = config["total_steps"], config["micro_batches_per_rank"]
     mbs, ga = cfg.micro_batch_size, cfg.grad_accum
     fail_at = int(config["fail_at_step"] or 0)
+    packed = bool(config.get("packing", False))
+    flash_varlen = packed and "flash" in str(config.get("attn_implementation") or "")
     torch.manual_seed(cfg.seed)
 
     engine, t_load, t_init, precision = _build_engine(config, cfg)
     engine.train()
     device = engine.device
-    start = _restore(engine, rank, config["plan_hash"], config.get("resume_checkpoint"))
+    start, start_rows = _restore(engine, rank, config["plan_hash"], config.get("resume_checkpoint"))
+    if start_rows is None:
+        if packed:
+            raise RuntimeError("the checkpoint does not record the rows trained, which a packed plan needs to resume")
+        start_rows = start * mbs
     if rank == 0:
         print(f"[train] model loaded in {t_load:.1f}s, deepspeed.initialize done at {t_init:.1f}s "
               f"(ZeRO-{cfg.zero_stage}, {precision}{', LoRA' if cfg.lora.enabled else ''}, world {world}, "
@@ -236,7 +278,7 @@ def train_loop_per_worker(config: dict) -> None:
               + (f"; resumed after step {start // ga}" if start else ""), flush=True)
 
     trained_path = run_dir / "trained" / f"rank{rank}.jsonl"
-    _truncate_lines(trained_path, start * mbs)
+    _truncate_lines(trained_path, start_rows)
     trained_fh = open(trained_path, "a", encoding="utf-8")
     log_fh = None
     if rank == 0:
@@ -246,7 +288,7 @@ def train_loop_per_worker(config: dict) -> None:
     timer = ForwardTimer(device)
     meters = _metric_handles(rank)
     shard = ray.train.get_dataset_shard(f"train_rank{rank}")
-    done = 0
+    done = rows_done = 0
     cur_step = None
     step_t0 = step_lr = 0.0
     real = padded = 0
@@ -256,8 +298,8 @@ def train_loop_per_worker(config: dict) -> None:
     metrics: dict[str, Any] = {}
     t_train = time.perf_counter()
     try:
-        for batch in shard.iter_batches(batch_size=mbs, batch_format="numpy"):
-            epoch, step, micro = _check_micro_batch(batch, mbs)
+        for batch in _micro_batches(shard, mbs, packed):
+            epoch, step, micro = _check_micro_batch(batch, None if packed else mbs)
             if micro != done % ga or (micro == 0 and cur_step is not None and step <= cur_step) or (
                 micro > 0 and step != cur_step
             ):
@@ -268,6 +310,7 @@ def train_loop_per_worker(config: dict) -> None:
             cur_step = step
             if done < start:  # trained before the checkpoint this run resumed from
                 done += 1
+                rows_done += len(batch["example_id"])
                 continue
             if micro == 0:
                 n_step = done // ga + 1
@@ -278,7 +321,8 @@ def train_loop_per_worker(config: dict) -> None:
                 real = padded = 0
                 step_lr = float(engine.get_lr()[0])  # the lr this step trains with (the scheduler steps after it)
                 loss_acc.zero_()
-            mb = micro_batch_to_device(batch, config["pad_token_id"], device)
+            mb = micro_batch_to_device(batch, config["pad_token_id"], device, packed=packed,
+                                       flash_attn_kwargs=flash_varlen)
             denom = float(batch["step_weighted_tokens"][0])  # the step's sum_i w_i |T_i|, from the plan
             loss_sum = train_micro_batch(engine, mb, world * ga / denom, timer)
             _append_jsonl(trained_fh, [
@@ -287,8 +331,10 @@ def train_loop_per_worker(config: dict) -> None:
             ])
             loss_acc += loss_sum.double() / denom
             lengths = [len(x) for x in batch["input_ids"]]
-            real, padded = real + sum(lengths), padded + len(lengths) * max(lengths)
+            # A pack's tensor holds its real tokens only; a padded micro-batch holds B x its longest row.
+            real, padded = real + sum(lengths), padded + (sum(lengths) if packed else len(lengths) * max(lengths))
             done += 1
+            rows_done += len(lengths)
             if micro != ga - 1:
                 continue
             sync()
@@ -305,7 +351,7 @@ def train_loop_per_worker(config: dict) -> None:
                           f"wait {wait.max():.2f}s", flush=True)
             if cfg.checkpoint_every and steps_done % cfg.checkpoint_every == 0 and steps_done < total_steps:
                 trained_fh.flush()
-                _checkpoint(engine, rank, done, steps_done, config["plan_hash"], metrics)
+                _checkpoint(engine, rank, done, steps_done, config["plan_hash"], metrics, rows_done)
         if done != n_micro:
             raise RuntimeError(f"rank {rank}: trained {done} micro-batches, the plan has {n_micro}")
     finally:
@@ -316,7 +362,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     final = {**metrics, "load_s": t_load, "init_s": t_init, "train_s": t_train, "resumed_from_micro_batch": start}
     # The final checkpoint comes before the model is written: merging LoRA adapters rewrites the module tree.
-    _checkpoint(engine, rank, done, done // ga, config["plan_hash"], final)
+    _checkpoint(engine, rank, done, done // ga, config["plan_hash"], final, rows_done)
     if config["save_model"]:
         _save_hf_model(engine, run_dir / "final_model", rank, cfg.zero_stage,
                        merge_lora=cfg.lora.enabled and cfg.lora.merge)

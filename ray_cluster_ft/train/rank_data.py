@@ -89,8 +89,22 @@ def _check_token_columns(t: pa.Table) -> None:
         )
 
 
+def _check_pack_sizes(plan: pd.DataFrame, n_tokens: np.ndarray, max_tokens: int) -> None:
+    """Every micro-batch (pack) of ``plan`` holds at most ``max_tokens`` tokens; ``n_tokens`` is each plan row's
+    ``len(input_ids)``. Raises ValueError naming the largest offending pack (an example longer than the maximum
+    shows as a pack of that one example)."""
+    sizes = pd.Series(n_tokens).groupby([plan[c].to_numpy() for c in ("rank", "epoch", "step", "micro_index")]).sum()
+    over = sizes[sizes > max_tokens]
+    if len(over):
+        (r, e, s, m), size = over.idxmax(), int(over.max())
+        raise ValueError(
+            f"{len(over)} packs hold more than train.max_tokens_per_micro_batch={max_tokens} tokens, e.g. (rank {r}, "
+            f"epoch {e}, step {s}, micro_index {m}) with {size}; a pack never cuts an example, so an example longer "
+            f"than the maximum is a config or data error (raise the maximum, or lower data.max_seq_len)")
+
+
 def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_size: int,
-                      weights: pd.Series | None = None) -> list[pa.Table]:
+                      weights: pd.Series | None = None, max_tokens_per_pack: int | None = None) -> list[pa.Table]:
     """Join the plan with the tokenized examples: one table per rank, rows in plan order, with what the
     token-exact loss needs.
 
@@ -104,6 +118,9 @@ def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, wor
         examples: ``example_id`` (str), ``input_ids`` and ``labels`` (list<int>) per example.
         world_size: ranks.
         weights: per-example loss weight indexed by ``example_id`` (the selection weights); ``None`` = 1.
+        max_tokens_per_pack: for a packed plan (``allocation.packing``), the most tokens (``len(input_ids)``
+            summed over its rows) a micro-batch may hold (``train.max_tokens_per_micro_batch``); ``None`` checks
+            nothing.
 
     Returns:
         ``world_size`` tables with columns ``example_id`` (string), ``epoch, step, micro_index`` (int64),
@@ -113,7 +130,8 @@ def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, wor
 
     Raises:
         ValueError: plan ids absent from ``examples`` or ``weights``, duplicate example ids, bad token columns
-            (see :func:`_check_token_columns`), a weight that is not finite and positive.
+            (see :func:`_check_token_columns`), a weight that is not finite and positive, a pack over
+            ``max_tokens_per_pack`` tokens.
     """
     _require_columns(plan, PLAN_COLUMNS)
     ex = _examples_table(examples)
@@ -132,6 +150,8 @@ def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, wor
     w = np.ones(len(plan_ids)) if weights is None else weights.reindex(plan_ids).to_numpy(np.float64)
     if not np.all(np.isfinite(w) & (w > 0)):
         raise ValueError("every planned example needs a finite, positive loss weight (missing ids or bad values)")
+    if max_tokens_per_pack is not None:
+        _check_pack_sizes(plan, pc.list_value_length(ex.column("input_ids")).to_numpy()[pos], max_tokens_per_pack)
     n_lab = label_token_counts(ex.column("labels"))[pos]
     step_tokens = pd.Series(w * n_lab).groupby(plan["step"].to_numpy()).transform("sum").to_numpy()
     order = plan.assign(_pos=pos, _w=w, _d=step_tokens).sort_values(["rank", *_KEY], kind="stable")

@@ -9,6 +9,11 @@ length-homogeneous plan and a random split optimise the same objective. DeepSpee
 by ``gradient_accumulation_steps`` in ``backward`` and averages gradients over the ``W`` ranks, so each
 micro-batch backpropagates ``W * G * sum_{i in mb} w_i sum_t l_it / D``: the summed gradient is ``dL``.
 DeepSpeed steps the optimizer every ``G`` micro-batches; each call here is one micro-batch.
+
+Packed micro-batches (``allocation.packing``): the rows of a micro-batch are concatenated into one sequence
+(:func:`ray_cluster_ft.data.collate.pack`) and the per-example weights become per-token weights (``w_i`` on
+every label position of example ``i``), so ``sum_i w_i sum_t l_it`` and ``D`` are unchanged: a packed step
+optimises exactly the loss of the padded step on the same rows.
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ import time
 
 import numpy as np
 
-from ..data.collate import IGNORE_INDEX, collate
+from ..data.collate import IGNORE_INDEX, collate, pack
 
-__all__ = ["ForwardTimer", "micro_batch_to_device", "token_exact_loss", "train_micro_batch"]
+__all__ = ["FLASH_VARLEN_KEYS", "ForwardTimer", "micro_batch_to_device", "token_exact_loss", "train_micro_batch"]
+
+FLASH_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""The keyword arguments of a packed micro-batch that flash-attention varlen reads (transformers'
+``FlashAttentionKwargs``)."""
 
 
 class ForwardTimer:
@@ -59,22 +68,42 @@ class ForwardTimer:
         return out
 
 
-def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, device) -> dict:
+def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, device, packed: bool = False,
+                          flash_attn_kwargs: bool = False) -> dict:
     """Collate one planned micro-batch (ragged ``input_ids`` and ``labels``) and move it to ``device``.
 
+    Args:
+        batch: ``input_ids``, ``labels`` (B ragged rows) and optionally ``weight`` (B,).
+        pad_token_id: the id right-padding writes (unpacked only).
+        device: the torch device.
+        packed: concatenate the rows into one sequence (:func:`ray_cluster_ft.data.collate.pack`) instead of
+            padding them.
+        flash_attn_kwargs: with ``packed``, add the flash-attention varlen arguments (:data:`FLASH_VARLEN_KEYS`)
+            so ``flash_attention_2`` does not infer them from ``position_ids`` in every layer.
+
     Returns:
-        ``input_ids``, ``attention_mask``, ``labels``: int64 torch tensors ``(B, T)``; ``weight``: float32
-        ``(B,)`` (ones when the batch has no ``weight`` column); all on ``device``.
+        Unpacked: ``input_ids``, ``attention_mask``, ``labels``: int64 torch tensors ``(B, T)``; ``weight``:
+        float32 ``(B,)`` (ones when the batch has no ``weight`` column). Packed: ``input_ids``,
+        ``position_ids``, ``labels``: int64 ``(1, N)`` with ``N = sum_i L_i``, no ``attention_mask``;
+        ``weight``: float32 ``(1, N)``, the row's weight on each of its tokens; plus the int32
+        ``cu_seq_lens_q/k`` and int ``max_length_q/k`` when asked. All tensors on ``device``.
     """
     import torch
 
-    host = collate(batch["input_ids"], batch["labels"], pad_token_id)
     w = batch.get("weight")
-    host["weight"] = (np.ones(len(batch["input_ids"])) if w is None else np.asarray(w)).astype(np.float32)
+    w = (np.ones(len(batch["input_ids"])) if w is None else np.asarray(w)).astype(np.float32)
+    if packed:
+        host = pack(batch["input_ids"], batch["labels"], flash_attn_kwargs=flash_attn_kwargs)
+        host["weight"] = np.repeat(w, host.pop("lengths"))[None, :]
+    else:
+        host = collate(batch["input_ids"], batch["labels"], pad_token_id)
+        host["weight"] = w
+    ints = {k: host.pop(k) for k in ("max_length_q", "max_length_k") if k in host}
     if getattr(device, "type", str(device)) != "cuda":
-        return {k: torch.from_numpy(v) for k, v in host.items()}
+        return {**{k: torch.from_numpy(np.asarray(v)) for k, v in host.items()}, **ints}
     # Pinned host memory lets the copies run asynchronously; the forward waits for them on the stream.
-    return {k: torch.from_numpy(v).pin_memory().to(device, non_blocking=True) for k, v in host.items()}
+    return {**{k: torch.from_numpy(np.asarray(v)).pin_memory().to(device, non_blocking=True) for k, v in host.items()},
+            **ints}
 
 
 def token_exact_loss(logits, labels, weight):
@@ -84,7 +113,8 @@ def token_exact_loss(logits, labels, weight):
     Args:
         logits: ``(B, T, V)`` (any float dtype; the cross-entropy runs in float32).
         labels: int64 ``(B, T)``, ``-100`` where no loss is taken; position t predicts ``labels[t + 1]``.
-        weight: float ``(B,)`` per-example weights.
+        weight: float ``(B,)`` per-example weights, or ``(B, T)`` per-token weights aligned with ``labels`` (a
+            packed micro-batch: the weight of label ``t`` is that of the example holding token ``t``).
 
     Returns:
         A float32 scalar tensor (nats, summed, not averaged).
@@ -94,6 +124,8 @@ def token_exact_loss(logits, labels, weight):
     tgt = labels[:, 1:]
     ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tgt.reshape(-1),
                          ignore_index=IGNORE_INDEX, reduction="none").view(tgt.shape)
+    if weight.dim() == 2:
+        return (ce * weight[:, 1:].float()).sum()
     return (ce.sum(dim=1) * weight.float()).sum()
 
 
@@ -103,7 +135,8 @@ def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` wrapping a Hugging Face causal LM.
-        mb: from :func:`micro_batch_to_device`.
+        mb: from :func:`micro_batch_to_device` (padded: with ``attention_mask``; packed: with ``position_ids``
+            and no mask, so the model builds the block-causal mask, see :func:`ray_cluster_ft.data.collate.pack`).
         scale: ``W * G / D`` for this micro-batch's step (see the module docstring).
         timer: times the forward (:class:`ForwardTimer`), or ``None``.
 
@@ -113,7 +146,8 @@ def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None
     """
     if timer is not None:
         timer.start()
-    logits = engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
+    extra = {k: mb[k] for k in ("attention_mask", "position_ids", *FLASH_VARLEN_KEYS) if k in mb}
+    logits = engine(input_ids=mb["input_ids"], **extra, use_cache=False).logits
     total = token_exact_loss(logits, mb["labels"], mb["weight"])
     if timer is not None:
         timer.stop()
