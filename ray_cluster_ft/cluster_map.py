@@ -9,12 +9,12 @@ settings, model content fingerprint, device kind; the ``last_layer`` normalisati
 
 A later job with ``clustering.from_run: RUN_DIR`` loads that map (:func:`load_cluster_map`), refuses features
 of another kind (:func:`check_features`, naming the mismatch), assigns every row to its nearest centroid in the
-map's metric (:func:`assign_to_map`), and measures drift (:func:`drift`): the share of the rows that are new to
-the map (ids absent from that run's ``clusters.parquet``) lying farther from every centroid than that run's 95th
-percentile. Above ``clustering.max_drift`` the manifest and report suggest clustering again. With
+map's metric (:func:`assign_to_map`; a row that run clustered keeps its cluster there, :func:`map_labels`), and
+measures drift (:func:`drift`): the share of the rows that are new to the map (ids absent from that run's
+``clusters.parquet``) lying farther from every centroid than that run's 95th percentile. Above ``clustering.max_drift`` the manifest and report suggest clustering again. With
 ``clustering.refit: true`` k-means is warm-started from the map's centroids (:func:`refit_kmeans`) instead.
 
-Pure functions except :func:`save_cluster_map`, :func:`load_cluster_map` and :func:`new_rows_mask` (file I/O).
+Pure functions except :func:`save_cluster_map`, :func:`load_cluster_map` and :func:`map_labels` (file I/O).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ __all__ = [
     "check_features",
     "drift",
     "load_cluster_map",
+    "map_labels",
     "nearest_distances",
-    "new_rows_mask",
-    "refit_kmeans",
+        "refit_kmeans",
     "save_cluster_map",
 ]
 
@@ -277,17 +277,28 @@ def drift(distance: np.ndarray, p95_distance: float, new: np.ndarray, max_drift:
             "suggest_recluster": bool(share is not None and share > max_drift)}
 
 
-def new_rows_mask(run_dir: str, example_ids) -> np.ndarray:
-    """bool ``(N,)``: the ids absent from ``run_dir/clusters.parquet`` (rows the map's run never clustered);
-    all True when that file is missing."""
+def map_labels(run_dir: str, example_ids, k: int) -> np.ndarray:
+    """int64 ``(N,)``: each id's cluster in the map's run (``run_dir/clusters.parquet``, whose cluster ids are the
+    map's centroid rows), -1 for ids that run never clustered (new rows); all -1 when that file is missing.
+
+    Raises:
+        ConfigError: the file's clusters are not in 0..k-1 (it does not belong to the map).
+    """
+    import pandas as pd
     import pyarrow.parquet as pq
+
+    from .config import ConfigError
 
     path = Path(run_dir) / "clusters.parquet"
     ids = np.asarray(example_ids).astype(str)
     if not path.is_file():
-        return np.ones(len(ids), dtype=bool)
-    old = pq.read_table(path, columns=["example_id"]).column("example_id").to_numpy(zero_copy_only=False)
-    return ~np.isin(ids, old.astype(str))
+        return np.full(len(ids), -1, dtype=np.int64)
+    old = pq.read_table(path, columns=["example_id", "cluster"])
+    lab = old.column("cluster").to_numpy().astype(np.int64)
+    if len(lab) and (lab.min() < 0 or lab.max() >= k):
+        raise ConfigError(f"clustering.from_run {run_dir}: clusters.parquet names clusters outside the map's 0..{k - 1}")
+    where = pd.Index(old.column("example_id").to_numpy(zero_copy_only=False).astype(str)).get_indexer(ids)
+    return np.where(where >= 0, lab[np.maximum(where, 0)], -1)
 
 
 def refit_kmeans(xs: np.ndarray, init: np.ndarray, algorithm: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

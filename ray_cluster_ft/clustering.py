@@ -400,13 +400,15 @@ def cluster_sketches(
                          cap=cap)
 
 
-def cluster_from_map(x, cmap, new: np.ndarray, *, refit: bool = False, min_cluster_size: int = 2,
+def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_cluster_size: int = 2,
                      max_cluster_ratio: float | None = None, max_drift: float = 0.2, seed: int = 0) -> ClusterResult:
     """Cluster with an earlier run's map (``clustering.from_run``) instead of from scratch.
 
-    Every row goes to its nearest map centroid in the map's metric (:func:`ray_cluster_ft.cluster_map.assign_to_map`:
-    cosine for a ``spherical`` map, squared Euclidean for ``kmeans``), and the drift of the new rows is measured
-    against the map's 95th-percentile distance (:func:`ray_cluster_ft.cluster_map.drift`). With ``refit``, k-means
+    A row the map's run clustered keeps its cluster there (``known``: k-means stops near, not at, the fixed point
+    where every row's cluster is its nearest centroid, so re-assigning would move a few old rows); every new row
+    goes to its nearest map centroid in the map's metric (:func:`ray_cluster_ft.cluster_map.assign_to_map`: cosine
+    for a ``spherical`` map, squared Euclidean for ``kmeans``), and the drift of the new rows is measured against
+    the map's 95th-percentile distance (:func:`ray_cluster_ft.cluster_map.drift`). With ``refit``, k-means
     is then warm-started from the map's centroids (:func:`ray_cluster_ft.cluster_map.refit_kmeans`). Then as
     :func:`cluster_sketches`: clusters left empty are dropped, for ``spherical`` those below
     ``min_cluster_size`` are dissolved into their nearest surviving centroid (point-wise); the map's centroids are
@@ -416,7 +418,8 @@ def cluster_from_map(x, cmap, new: np.ndarray, *, refit: bool = False, min_clust
     Args:
         x: ``(N, d)`` features.
         cmap: :class:`ray_cluster_ft.cluster_map.ClusterMap`.
-        new: bool ``(N,)`` rows the map's run did not cluster (:func:`ray_cluster_ft.cluster_map.new_rows_mask`).
+        known: int ``(N,)`` each row's cluster in the map's run, -1 for a new row
+            (:func:`ray_cluster_ft.cluster_map.map_labels`).
         refit: warm-start k-means from the map.
         min_cluster_size, max_cluster_ratio, seed: as :func:`cluster_sketches`.
         max_drift: ``clustering.max_drift``.
@@ -433,11 +436,14 @@ def cluster_from_map(x, cmap, new: np.ndarray, *, refit: bool = False, min_clust
     arr = _as_matrix(x)
     if arr.shape[1] != cmap.centroids.shape[1]:
         raise ValueError(f"features of dimension {arr.shape[1]}, the map's centroids {cmap.centroids.shape[1]}")
-    if len(new) != arr.shape[0]:
-        raise ValueError(f"new must have shape ({arr.shape[0]},), got ({len(new)},)")
+    known = np.asarray(known, dtype=np.int64)
+    if known.shape != (arr.shape[0],) or known.max(initial=-1) >= cmap.centroids.shape[0]:
+        raise ValueError(f"known must have shape ({arr.shape[0]},) and values below {cmap.centroids.shape[0]}")
     xs, labels, near = assign_to_map(arr, cmap)
+    old = known >= 0
+    labels[old] = known[old]
     info = {"run_dir": cmap.run_dir, "refit": bool(refit), "map_k": int(cmap.centroids.shape[0]),
-            "drift": drift(near, cmap.p95_distance, new, max_drift)}
+            "drift": drift(near, cmap.p95_distance, ~old, max_drift)}
     centroids = cmap.centroids
     if refit:
         labels, centroids = refit_kmeans(xs, centroids, cmap.algorithm, seed)
@@ -512,8 +518,8 @@ def drift_warning(d: dict) -> str:
 def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None) -> tuple:
     """The pure part of :func:`run` (also :func:`ray_cluster_ft.select_and_plan`'s): :func:`cluster_sketches`
     with the job's ``clustering`` settings and world size, and the ``clusters.parquet`` table. With
-    ``clustering.from_run`` it reads that run's map and assigns to it (:func:`cluster_from_map`; ``k`` is then
-    the map's): the only file it reads.
+    ``clustering.from_run`` it reads that run's map and assignment (``centroids.parquet``, ``clusters.parquet``:
+    the only files it reads) and assigns to it (:func:`cluster_from_map`; ``k`` is then the map's).
 
     Args:
         cfg: the job config (``clustering`` section; ``train.num_workers``; ``sketch`` for ``from_run``).
@@ -535,12 +541,13 @@ def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None
 
     c = cfg.clustering
     if c.from_run:
-        from .cluster_map import check_features, load_cluster_map, new_rows_mask
+        from .cluster_map import check_features, load_cluster_map, map_labels
         from .features.feature_store import feature_settings
 
         cmap = load_cluster_map(c.from_run)
         check_features(cmap, int(np.shape(sketches)[1]), c.algorithm, feature_settings(cfg.sketch), features)
-        res = cluster_from_map(sketches, cmap, new_rows_mask(cmap.run_dir, example_ids), refit=c.refit,
+        known = map_labels(cmap.run_dir, example_ids, cmap.centroids.shape[0])
+        res = cluster_from_map(sketches, cmap, known, refit=c.refit,
                                min_cluster_size=c.min_cluster_size, max_cluster_ratio=c.max_cluster_ratio,
                                max_drift=c.max_drift, seed=c.seed)
     else:

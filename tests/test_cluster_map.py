@@ -40,14 +40,14 @@ def _run(tmp_path, name, x, ids, clustering_cfg, features=None, sketch=None):
 
 @pytest.fixture
 def old_run(tmp_path):
-    x, truth = planted_blobs(n_centres=4, per=50, d=16, seed=2)
+    x, _truth = planted_blobs(n_centres=4, per=50, d=16, seed=2)
     ids = np.asarray([f"id{i:03d}" for i in range(len(x))])
-    cfg, run_dir, res, summary = _run(tmp_path, "old", x, ids, {"k": 4})
+    _cfg, run_dir, res, summary = _run(tmp_path, "old", x, ids, {"k": 4})
     return x, ids, run_dir, res, summary
 
 
 def test_every_run_saves_its_map_with_the_p95_distance(old_run):
-    x, ids, run_dir, res, summary = old_run
+    x, _ids, run_dir, res, summary = old_run
     cmap = load_cluster_map(run_dir)
     np.testing.assert_array_equal(cmap.centroids, res.centroids)
     assert cmap.algorithm == "spherical" and cmap.metric == "cosine"
@@ -93,6 +93,21 @@ def test_rows_from_elsewhere_drift_and_the_report_suggests_reclustering(tmp_path
     assert "## Reused cluster map" in text and "Re-clustering suggested" in text
 
 
+def test_known_rows_keep_their_cluster_new_rows_take_the_nearest():
+    from ray_cluster_ft.clustering import cluster_from_map
+
+    cent = np.asarray([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
+    cmap = ClusterMap(cent, np.asarray([2, 2]), "spherical", 0.05, {})
+    x = np.asarray([[1, 0.1], [0.9, 0.2], [0.2, 1], [0.1, 1], [0.8, 0.3], [0.3, 0.8]], dtype=np.float32)
+    # Row 1 was in cluster 1 in the map's run (k-means stopped before moving it): it stays there.
+    res = cluster_from_map(x, cmap, np.asarray([0, 1, 1, 1, -1, -1]), min_cluster_size=1)
+    assert res.labels.tolist() == [0, 1, 1, 1, 0, 1]
+    d = res.from_run["drift"]
+    assert d["new_rows"] == 2 and d["new_beyond_p95"] == 2  # 1 - cos > 0.05 for both new rows
+    with pytest.raises(ValueError, match="values below 2"):
+        cluster_from_map(x, cmap, np.asarray([0, 1, 2, 1, -1, -1]))
+
+
 def test_drift_by_hand():
     d = drift(np.asarray([0.1, 0.5, 0.9, 0.2]), 0.4, np.asarray([True, True, False, True]), 0.2)
     assert (d["new_rows"], d["new_beyond_p95"]) == (3, 1)
@@ -106,7 +121,7 @@ def test_kmeans_map_uses_squared_euclidean_distance(tmp_path):
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.normal(size=(40, 3)), rng.normal(size=(40, 3)) + 6]).astype(np.float32)
     ids = np.asarray([f"id{i}" for i in range(80)])
-    _, run_dir, res, _ = _run(tmp_path, "old", x, ids, {"k": 2, "algorithm": "kmeans"})
+    _, run_dir, _res, _ = _run(tmp_path, "old", x, ids, {"k": 2, "algorithm": "kmeans"})
     cmap = load_cluster_map(run_dir)
     assert cmap.metric == "sqeuclidean"
     # A point far out along a centroid's direction: cosine would put it anywhere on that ray, Euclidean near.
@@ -115,7 +130,7 @@ def test_kmeans_map_uses_squared_euclidean_distance(tmp_path):
     ref = ((new[:, None, :] - cmap.centroids[None]) ** 2).sum(-1)
     np.testing.assert_array_equal(lab, ref.argmin(1))
     np.testing.assert_allclose(dist, ref.min(1), rtol=1e-5)
-    _, _, res2, summary = _run(tmp_path, "new", np.concatenate([x, new]), np.append(ids, ["n0", "n1"]),
+    _, _, res2, _summary = _run(tmp_path, "new", np.concatenate([x, new]), np.append(ids, ["n0", "n1"]),
                                {"from_run": str(run_dir), "algorithm": "kmeans"})
     assert res2.algorithm == "kmeans"
     np.testing.assert_array_equal(res2.labels[80:], ref.argmin(1))
@@ -134,7 +149,7 @@ def test_refit_warm_starts_kmeans_from_the_map(tmp_path, old_run):
     np.testing.assert_array_equal(res2.labels, ref.labels_)
     means = np.stack([xn[ref.labels_ == j].mean(0) for j in range(4)])
     np.testing.assert_allclose(res2.centroids, means / np.linalg.norm(means, axis=1, keepdims=True), atol=1e-5)
-    labels, cent = refit_kmeans(shifted, res.centroids, "kmeans")
+    labels, _cent = refit_kmeans(shifted, res.centroids, "kmeans")
     ref_e = KMeans(n_clusters=4, init=res.centroids, n_init=1, random_state=0).fit(shifted)
     np.testing.assert_array_equal(labels, ref_e.labels_)
     with pytest.raises(ValueError, match="more than the 3 rows"):

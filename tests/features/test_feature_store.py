@@ -151,6 +151,20 @@ def test_store_reads_only_matching_hashes_and_skips_damaged_parts(tmp_path):
         store.write(_fake_rows(["ex001", "ex001"]), np.asarray(["a", "a"]))
 
 
+def test_an_object_store_gets_one_put_per_part():
+    from pyarrow import fs as pafs
+
+    mock = pafs._MockFileSystem()  # an in-memory pyarrow filesystem that is not local: the upload path
+    mock.create_dir("bucket/v1/k", recursive=True)
+    store = FeatureStore("mock://bucket", "k", mock, "bucket/v1/k")
+    ids = [f"ex{i:03d}" for i in range(5)]
+    (path,) = store.write(_fake_rows(ids), np.asarray([f"h{i}" for i in ids]))
+    assert store.parts() == [path] and path.startswith("bucket/v1/k/part-")
+    assert [i.base_name for i in mock.get_file_info(pafs.FileSelector("bucket/v1/k"))] == [path.split("/")[-1]]
+    got = store.read(np.asarray(ids), np.asarray([f"h{i}" for i in ids]))
+    np.testing.assert_array_equal(got["sketch"], _fake_rows(got["example_id"])["sketch"])
+
+
 # ------------------------------------------------------------------------------------- the job's view
 
 
@@ -182,6 +196,7 @@ def test_a_job_computes_only_the_rows_the_store_lacks(tiny_dir, tmp_path, ray_cp
     assert not list((tmp_path / "run2").glob("*.parquet"))
 
 
+@pytest.mark.slow  # three Ray Data jobs: about 45 s on 2 busy cores
 def test_another_seed_or_one_changed_weight_byte_reads_nothing(tiny_dir, tmp_path, ray_cpu):
     cfg = CFG.model_copy(update={"store": str(tmp_path / "store")})
     rows = _table(6)
