@@ -180,6 +180,11 @@ def test_a_map_that_does_not_fit_is_refused_by_name(tmp_path, old_run):
         _run(tmp_path, "h", x, ids, {"from_run": str(run_dir)}, features=_features(cfg, normalisation="l2_rows"))
 
 
+def test_refit_without_a_map_is_refused():
+    with pytest.raises(ValueError, match="set clustering.from_run"):
+        parse_config({"clustering": {"refit": True}})
+
+
 def test_select_and_plan_api_reads_the_map_too(old_run):
     from ray_cluster_ft.clustering import cluster_with_config
 

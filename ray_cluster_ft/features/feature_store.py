@@ -49,8 +49,8 @@ __all__ = [
 
 _LAYOUT = "v1"
 _PART_ROWS = 100_000  # rows per part file at most: one part of a 10^6-row job is ~100 MiB at dim 256
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
-_CONFIG_FILES = ("config.json", "adapter_config.json")
+# What a model folder's features depend on: weights, configs (model, adapter, pooling), tokenizer files.
+_MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".json", ".txt", ".model", ".jinja")
 _HASH_MEMO: dict[tuple, str] = {}
 
 
@@ -68,11 +68,11 @@ def _file_sha256(path: Path) -> str:
 def model_fingerprint(model_path: str) -> dict:
     """What identifies a model's weights by content, independent of where they lie.
 
-    A local folder: ``{"files": [[name, sha256], ...]}`` of its ``config.json`` (and ``adapter_config.json``)
-    and weight files (``.safetensors``, ``.bin``, ``.pt``, ``.pth``, ``.ckpt``, ``.gguf``), sorted by name. A
-    copy of the folder elsewhere has the same fingerprint; one changed byte in one weight file changes it.
-    Tokenizer files are left out on purpose: what they change is the rows' inputs, which
-    :func:`row_input_hashes` covers per row. A hub id: ``{"hub_id": id, "revision": commit}``, the commit of
+    A local folder: ``{"files": [[relative path, sha256], ...]}`` of its weights (``.safetensors``, ``.bin``,
+    ``.pt``, ``.pth``, ``.ckpt``, ``.gguf``), configs and tokenizer files (``.json``, ``.txt``, ``.model``,
+    ``.jinja``; subfolders included, hidden files and READMEs not), sorted. A copy of the folder elsewhere has
+    the same fingerprint; one changed byte in one weight file changes it. (The tokenizer is hashed too although
+    :func:`row_input_hashes` covers the token ids: the embedding baseline tokenizes inside its encoder.) A hub id: ``{"hub_id": id, "revision": commit}``, the commit of
     its snapshot in the local Hugging Face cache (``"unresolved"`` when not cached yet: the key then changes
     once it is, a conservative miss). No network access.
 
@@ -81,10 +81,12 @@ def model_fingerprint(model_path: str) -> dict:
     """
     p = Path(model_path).expanduser()
     if p.is_dir():
-        names = sorted(f.name for f in p.iterdir()
-                       if f.is_file() and (f.name in _CONFIG_FILES or f.suffix in _WEIGHT_SUFFIXES))
-        if "config.json" not in names:
+        if not (p / "config.json").is_file():
             raise FileNotFoundError(f"model_fingerprint: {p} has no config.json (not a model folder)")
+        names = sorted(f.relative_to(p).as_posix() for f in p.rglob("*")
+                       if f.is_file() and f.suffix in _MODEL_SUFFIXES and not f.name.startswith(".")
+                       and not f.name.upper().startswith("README")
+                       and not any(part.startswith(".") for part in f.relative_to(p).parts))
         return {"files": [[n, _file_sha256(p / n)] for n in names]}
     revision = "unresolved"
     try:

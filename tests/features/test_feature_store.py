@@ -60,7 +60,10 @@ def test_key_covers_settings_and_model_content_not_its_path(tiny_dir, tmp_path):
     assert desc["settings"] == {"method": "gradient", "modules": CFG.modules, "last_blocks": 1, "k_in": 4,
                                 "k_out": 4, "dim": 32, "seed": 7, "dtype": "auto"}
     names = [n for n, _ in desc["model"]["files"]]
-    assert names == ["config.json", "model.safetensors"]  # tokenizer files are covered per row, not here
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(names) and names == sorted(names)
+    (tiny_dir / ".hidden.json").write_text("{}")  # hidden files are not the model
+    assert store_key(CFG, str(tiny_dir), use_gpu=False)[0] == key
+    (tiny_dir / ".hidden.json").unlink()
     # Batch size and actor count do not change a feature; every value-changing setting does.
     assert store_key(CFG.model_copy(update={"batch_size": 5, "num_actors": 2, "store": "x"}), str(tiny_dir),
                      False)[0] == key
@@ -196,6 +199,15 @@ def test_a_job_computes_only_the_rows_the_store_lacks(tiny_dir, tmp_path, ray_cp
     assert not list((tmp_path / "run2").glob("*.parquet"))
 
 
+def test_a_small_input_is_cut_so_every_actor_gets_a_shard(ray_cpu):
+    from ray_cluster_ft.features.stage import _default_shard_rows
+
+    two = SketchConfig(batch_size=3)  # 2 CPUs: two actors; a full shard is 8 sub-batches of 3 = 24 rows
+    assert [_default_shard_rows(n, two, False, None) for n in (0, 5, 12, 47, 48, 1000)] == [24, 3, 6, 24, 24, 24]
+    one = SketchConfig(batch_size=3, num_actors=1)
+    assert [_default_shard_rows(n, one, False, None) for n in (12, 30)] == [12, 24]
+
+
 @pytest.mark.slow  # three Ray Data jobs: about 45 s on 2 busy cores
 def test_another_seed_or_one_changed_weight_byte_reads_nothing(tiny_dir, tmp_path, ray_cpu):
     cfg = CFG.model_copy(update={"store": str(tmp_path / "store")})
@@ -213,3 +225,20 @@ def test_another_seed_or_one_changed_weight_byte_reads_nothing(tiny_dir, tmp_pat
     assert (changed["features_computed"], changed["features_reused"]) == (6, 0)
     assert len({base["feature_key"], seeded["feature_key"], changed["feature_key"]}) == 3
     assert len(list((tmp_path / "store" / "v1").iterdir())) == 3  # three keys side by side, none overwritten
+
+
+def test_few_missing_rows_are_sketched_here_with_the_same_shards_and_values(tiny_dir, tmp_path, ray_cpu):
+    from ray_cluster_ft.features import compute_sketches
+
+    t = _table(10)
+    pool = compute_sketches(t, str(tiny_dir), CFG, str(tmp_path / "pool"), shard_rows=4)
+    here = compute_sketches(t, str(tiny_dir), CFG, str(tmp_path / "here"), shard_rows=4, in_process_rows=10)
+    assert (here["computed"], here["rows_computed"]) == (pool["computed"], pool["rows_computed"]) == (3, 10)
+    assert sorted(f.name for f in (tmp_path / "here").iterdir()) == sorted(f.name for f in (tmp_path / "pool").iterdir())
+    a, b = read_sketches(str(tmp_path / "pool")), read_sketches(str(tmp_path / "here"))
+    assert a["example_id"].tolist() == b["example_id"].tolist()
+    np.testing.assert_allclose(b["sketch"], a["sketch"], atol=1e-5)
+    with pytest.raises(RuntimeError, match="injected failure on shard 1"):
+        compute_sketches(t, str(tiny_dir), CFG, str(tmp_path / "fail"), shard_rows=4, in_process_rows=10,
+                         fail_on_shard=1)
+    assert [f.name[:11] for f in (tmp_path / "fail").glob("shard-*.parquet")] == ["shard-00000"]
