@@ -202,7 +202,7 @@ class ClusteringConfig(_Section):
     refit: bool = Field(False, description="from_run only: warm-start k-means from the old centroids")
 
     @model_validator(mode="after")
-    def _refit_needs_a_map(self) -> "ClusteringConfig":
+    def _refit_needs_a_map(self) -> ClusteringConfig:
         if self.refit and not self.from_run:
             raise ValueError("clustering.refit warm-starts k-means from an earlier run's centroids: set "
                              "clustering.from_run to that run's directory")

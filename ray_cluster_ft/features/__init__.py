@@ -12,6 +12,7 @@
 * :mod:`.warmup`: optional warm-up training of the sketch model (LESS, Xia et al. 2024).
 """
 
+from .feature_store import FeatureStore, model_fingerprint, row_input_hashes, store_key
 from .inputs import SketchInputs, prepare_sketch_inputs, same_tokenization
 from .last_layer import last_layer_features, normalise_last_layer
 from .projection import Projector, make_projector, select_modules, sketch_batch
@@ -25,7 +26,6 @@ from .sketchers import (
     length_batches,
     make_sketcher,
 )
-from .feature_store import FeatureStore, model_fingerprint, row_input_hashes, store_key
 from .stage import FeatureStage, ShardSketcher, compute_sketches, run, sketch_with_store
 from .store import Shard, plan_shards, read_sketches, sketch_fingerprint
 from .warmup import warm_up, warmup_plan, warmup_sample
@@ -59,8 +59,8 @@ __all__ = [
     "select_modules",
     "sketch_batch",
     "sketch_fidelity",
-    "sketch_with_store",
     "sketch_fingerprint",
+    "sketch_with_store",
     "store_key",
     "warm_up",
     "warmup_plan",
