@@ -1,5 +1,5 @@
 """ray-cluster-ft command line: run a job spec, resume a stopped run, run the demo, check a spec, export the
-selected rows."""
+selected rows, prefetch features into the feature store."""
 
 from __future__ import annotations
 
@@ -35,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     sel.add_argument("config", help="job spec (YAML)")
     sel.add_argument("--output", help="run directory (overrides output.dir)")
     sel.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
+    feat = sub.add_parser("features", help="data and features only, into the feature store (sketch.store): a "
+                                            "nightly job prefetches what later runs read")
+    feat.add_argument("config", help="job spec (YAML) with sketch.store set")
+    feat.add_argument("--output", help="run directory (overrides output.dir)")
+    feat.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
     demo = sub.add_parser("demo", help="run the built-in demo (SmolLM2-135M on HumanEval + MMLU medical)")
     demo.add_argument("--output", help="run directory (default runs/demo)")
     demo.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
@@ -101,8 +106,16 @@ def main(argv: list[str] | None = None) -> int:
             overrides = {"output.dir": args.output} if args.output else {}
         cfg = load_config(path, overrides)
         run_dir = Path(cfg.output.dir).expanduser().resolve()
-        from .recipe import run_pipeline
+        from .recipe import run_features, run_pipeline
 
+        if args.command == "features":
+            with _stop_on_signals():
+                manifest = run_features(cfg, address=args.address)
+            c, sk = manifest["counts"], manifest["sketch"]
+            print(f"[ray-cluster-ft] features: {c['candidates']} candidates, {c['features_computed']} computed, "
+                  f"{c['features_reused']} reused; store {sk['store']} (key {sk['feature_key']}); "
+                  f"total {manifest['timings_s']['total']:.0f} s")
+            return 0
         selecting = args.command == "select"
         with _stop_on_signals():
             manifest = run_pipeline(cfg, address=args.address,
@@ -117,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:  # the recipe shut Ray down (workers stopped); no traceback
         signum = getattr(err, "signum", signal.SIGINT)
         where = f"`ray-cluster-ft run --resume {run_dir}`" if run_dir else "`ray-cluster-ft run --resume RUN_DIR`"
-        if args.command == "select":  # --resume would go on to train: the same command again (shards are kept)
-            where = f"`ray-cluster-ft select {args.config} --output {run_dir}`"
+        if args.command in ("select", "features"):  # the same command again (shards and stored rows are kept)
+            where = f"`ray-cluster-ft {args.command} {args.config} --output {run_dir}`"
         print(f"ray-cluster-ft: interrupted ({signal.Signals(signum).name}); continue the run with {where}",
               file=sys.stderr)
         return 128 + signum

@@ -39,6 +39,7 @@ from .capped_kmeans import (
 
 __all__ = [
     "clustering_warning",
+    "drift_warning",
     "run",
     "MINIBATCH_THRESHOLD",
     "ClusterResult",
@@ -48,6 +49,7 @@ __all__ = [
     "soft_cap_labels",
     "merge_small_clusters",
     "cluster_sketches",
+    "cluster_from_map",
     "cluster_with_config",
 ]
 
@@ -88,6 +90,9 @@ class ClusterResult:
             their nearest surviving centroids (``kmeans``: empty clusters dropped).
         algorithm: ``spherical`` or ``kmeans``.
         cap: the soft cap on cluster sizes when ``max_cluster_ratio`` fired (:func:`soft_cap_labels`), else None.
+        from_run: with ``clustering.from_run`` (:func:`cluster_from_map`): ``{"run_dir", "refit", "map_k",
+            "map_clusters" (the map cluster each cluster is), "drift"}`` (:func:`ray_cluster_ft.cluster_map.drift`),
+            else None.
     """
 
     labels: np.ndarray
@@ -97,6 +102,7 @@ class ClusterResult:
     n_merged_clusters: int
     algorithm: str = "spherical"
     cap: Optional[int] = None
+    from_run: dict | None = None
 
 
 def auto_k(n: int, world_size: int) -> int:
@@ -394,6 +400,78 @@ def cluster_sketches(
                          cap=cap)
 
 
+def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_cluster_size: int = 2,
+                     max_cluster_ratio: float | None = None, max_drift: float = 0.2, seed: int = 0) -> ClusterResult:
+    """Cluster with an earlier run's map (``clustering.from_run``) instead of from scratch.
+
+    A row the map's run clustered keeps its cluster there (``known``: k-means stops near, not at, the fixed point
+    where every row's cluster is its nearest centroid, so re-assigning would move a few old rows); every new row
+    goes to its nearest map centroid in the map's metric (:func:`ray_cluster_ft.cluster_map.assign_to_map`: cosine
+    for a ``spherical`` map, squared Euclidean for ``kmeans``), and the drift of the new rows is measured against
+    the map's 95th-percentile distance (:func:`ray_cluster_ft.cluster_map.drift`). With ``refit``, k-means
+    is then warm-started from the map's centroids (:func:`ray_cluster_ft.cluster_map.refit_kmeans`). Then as
+    :func:`cluster_sketches`: clusters left empty are dropped, for ``spherical`` those below
+    ``min_cluster_size`` are dissolved into their nearest surviving centroid (point-wise); the map's centroids are
+    kept as they are (with ``refit``, recomputed after a merge); the soft cap applies; distances are to the final
+    centroids.
+
+    Args:
+        x: ``(N, d)`` features.
+        cmap: :class:`ray_cluster_ft.cluster_map.ClusterMap`.
+        known: int ``(N,)`` each row's cluster in the map's run, -1 for a new row
+            (:func:`ray_cluster_ft.cluster_map.map_labels`).
+        refit: warm-start k-means from the map.
+        min_cluster_size, max_cluster_ratio, seed: as :func:`cluster_sketches`.
+        max_drift: ``clustering.max_drift``.
+
+    Returns:
+        :class:`ClusterResult` with ``algorithm`` the map's and ``from_run`` filled.
+
+    Raises:
+        ValueError: as :func:`cluster_sketches`' input checks; a feature size other than the map's; with
+            ``refit``, more map centroids than rows.
+    """
+    from .cluster_map import assign_to_map, drift, nearest_distances, refit_kmeans
+
+    arr = _as_matrix(x)
+    if arr.shape[1] != cmap.centroids.shape[1]:
+        raise ValueError(f"features of dimension {arr.shape[1]}, the map's centroids {cmap.centroids.shape[1]}")
+    known = np.asarray(known, dtype=np.int64)
+    if known.shape != (arr.shape[0],) or known.max(initial=-1) >= cmap.centroids.shape[0]:
+        raise ValueError(f"known must have shape ({arr.shape[0]},) and values below {cmap.centroids.shape[0]}")
+    xs, labels, near = assign_to_map(arr, cmap)
+    old = known >= 0
+    labels[old] = known[old]
+    info = {"run_dir": cmap.run_dir, "refit": bool(refit), "map_k": int(cmap.centroids.shape[0]),
+            "drift": drift(near, cmap.p95_distance, ~old, max_drift)}
+    centroids = cmap.centroids
+    if refit:
+        labels, centroids = refit_kmeans(xs, centroids, cmap.algorithm, seed)
+    spherical = cmap.algorithm == "spherical"
+    metric = cmap.metric
+    sizes = np.bincount(labels, minlength=centroids.shape[0])
+    keep = sizes >= (int(min_cluster_size) if spherical else 1)
+    if not keep.any():
+        keep[int(np.argmax(sizes))] = True
+    kept = np.flatnonzero(keep)
+    new_id = np.full(centroids.shape[0], -1, dtype=np.int64)
+    new_id[kept] = np.arange(kept.size)
+    labels = new_id[labels]
+    moving = labels < 0
+    if moving.any():
+        labels[moving], _ = nearest_distances(xs[moving], centroids[kept], metric)
+    labels = labels.astype(np.int32)
+    centroids = np.ascontiguousarray(centroids[kept])
+    if refit and spherical and moving.any():
+        centroids, _ = _centroids_of(xs, labels, kept.size)
+    labels, cap = _capped(xs, labels, centroids, max_cluster_ratio, metric)
+    dist = _own_distance(xs, labels, centroids) if spherical else _sq_distance(xs, labels, centroids)
+    info["map_clusters"] = kept.tolist()
+    return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=int(kept.size),
+                         n_merged_clusters=int(cmap.centroids.shape[0] - kept.size),
+                         algorithm=cmap.algorithm, cap=cap, from_run=info)
+
+
 def _resolve_k(k, n: int, world_size: int):
     """``clustering.k`` as a number: ``auto`` by :func:`auto_k`, ``world_size`` the number of ranks."""
     if k == "auto":
@@ -428,14 +506,28 @@ def clustering_warning(k: int, n_merged: int, world_size: int, min_cluster_size:
             f"smaller clustering.min_cluster_size or a larger clustering.k")
 
 
-def cluster_with_config(cfg, example_ids, sketches) -> tuple:
+def drift_warning(d: dict) -> str:
+    """The sentence the run prints (and the manifest and report keep) when the rows new to a reused cluster
+    map lie beyond its 95th-percentile distance more often than ``clustering.max_drift``."""
+    return (f"{d['share_new_beyond_p95']:.1%} of the {d['new_rows']} rows new to the reused cluster map lie farther "
+            f"from every centroid than its 95th-percentile distance ({d['p95_distance']:.4g}), above "
+            f"clustering.max_drift={d['max_drift']:g}: cluster again (drop clustering.from_run) or set "
+            f"clustering.refit: true")
+
+
+def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None) -> tuple:
     """The pure part of :func:`run` (also :func:`ray_cluster_ft.select_and_plan`'s): :func:`cluster_sketches`
-    with the job's ``clustering`` settings and world size, and the ``clusters.parquet`` table. No I/O.
+    with the job's ``clustering`` settings and world size, and the ``clusters.parquet`` table. With
+    ``clustering.from_run`` it reads that run's map and assignment (``centroids.parquet``, ``clusters.parquet``:
+    the only files it reads) and assigns to it (:func:`cluster_from_map`; ``k`` is then the map's).
 
     Args:
-        cfg: the job config (``clustering`` section; ``train.num_workers``).
+        cfg: the job config (``clustering`` section; ``train.num_workers``; ``sketch`` for ``from_run``).
         example_ids: str ``(N,)`` candidate ids, in the order of ``sketches``.
         sketches: float ``(N, d)``.
+        features: the feature stage's summary (``feature_key``, ``feature_key_of``, ``normalisation``): with
+            ``from_run`` the map's features must match it (:func:`ray_cluster_ft.cluster_map.check_features`);
+            ``None`` compares only the feature size and ``sketch`` settings.
 
     Returns:
         ``(ClusterResult, pyarrow.Table)``: the table has ``example_id`` (string), ``cluster`` (int32),
@@ -443,21 +535,36 @@ def cluster_with_config(cfg, example_ids, sketches) -> tuple:
 
     Raises:
         ValueError: as :func:`cluster_sketches`.
+        ConfigError: ``from_run`` is missing, not a run, has no map, or its features do not match (named).
     """
     import pyarrow as pa
 
     c = cfg.clustering
-    res = cluster_sketches(sketches, c.k, cfg.train.num_workers, c.seed, c.min_cluster_size, algorithm=c.algorithm,
-                           max_cluster_ratio=c.max_cluster_ratio)
+    if c.from_run:
+        from .cluster_map import check_features, load_cluster_map, map_labels
+        from .features.feature_store import feature_settings
+
+        cmap = load_cluster_map(c.from_run)
+        check_features(cmap, int(np.shape(sketches)[1]), c.algorithm, feature_settings(cfg.sketch), features)
+        known = map_labels(cmap.run_dir, example_ids, cmap.centroids.shape[0])
+        res = cluster_from_map(sketches, cmap, known, refit=c.refit,
+                               min_cluster_size=c.min_cluster_size, max_cluster_ratio=c.max_cluster_ratio,
+                               max_drift=c.max_drift, seed=c.seed)
+    else:
+        res = cluster_sketches(sketches, c.k, cfg.train.num_workers, c.seed, c.min_cluster_size,
+                               algorithm=c.algorithm, max_cluster_ratio=c.max_cluster_ratio)
     table = pa.table({"example_id": example_ids, "cluster": res.labels.astype(np.int32),
                       "distance": res.dist.astype(np.float32)})
     return res, table
 
 
-def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, resume: bool = False) -> tuple:
-    """The cluster stage's edge: :func:`cluster_sketches` on the features, ``clusters.parquet`` written
-    (``example_id``, ``cluster`` int32, ``distance`` float32 to the final centroid: ``1 - cos`` for
-    ``clustering.algorithm: spherical``, the squared Euclidean distance for ``kmeans``).
+def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, resume: bool = False,
+        features: dict | None = None) -> tuple:
+    """The cluster stage's edge: :func:`cluster_with_config` on the features (from scratch, or with
+    ``clustering.from_run`` on that run's map), ``clusters.parquet`` written (``example_id``, ``cluster`` int32,
+    ``distance`` float32 to the final centroid: ``1 - cos`` for ``clustering.algorithm: spherical``, the squared
+    Euclidean distance for ``kmeans``) and the run's own map, ``centroids.parquet``
+    (:func:`ray_cluster_ft.cluster_map.save_cluster_map`), for a later ``from_run``.
 
     Args:
         cfg: the job config (``clustering`` section: ``k``, ``algorithm``, ``seed``, ``min_cluster_size``,
@@ -466,14 +573,17 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
         example_ids: str ``(N,)`` candidate ids, in the order of ``sketches``.
         sketches: float32 ``(N, d)``.
         resume: the stopped run's ``clusters.parquet`` must hold the same assignment.
+        features: the feature stage's summary (recorded in the map; checked against ``from_run``'s).
 
     Returns:
         ``(ClusterResult, summary)``: the summary is the manifest's ``clustering`` entry (k, merged clusters,
-        sizes, ``algorithm``, ``capped: true`` and ``cap`` when the soft cap fired, and the
-        :func:`clustering_warning` when there is one).
+        sizes, ``algorithm``, ``capped: true`` and ``cap`` when the soft cap fired, ``p95_distance`` of the
+        map written, ``from_run`` (:attr:`ClusterResult.from_run`) and the :func:`clustering_warning` and
+        drift warning when there are any).
 
     Raises:
-        ConfigError: (``resume``) the assignment changed; fewer clusters than ranks after merging with
+        ConfigError: (``resume``) the assignment changed; ``from_run`` unusable (see :func:`cluster_with_config`);
+            fewer clusters than ranks after merging with
             ``allocation.strategy: cluster`` (unless ``allocation.allow_shared_clusters``), or a cluster count
             other than the world size with ``cluster_per_rank``.
     """
@@ -484,14 +594,25 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
 
     c = cfg.clustering
     W = cfg.train.num_workers
-    res, table = cluster_with_config(cfg, example_ids, sketches)
+    from .cluster_map import CENTROIDS_FILE, save_cluster_map
+
+    res, table = cluster_with_config(cfg, example_ids, sketches, features)
     if resume:
         same_as_before(run_dir / "clusters.parquet", table, ["example_id", "cluster"])
     pq.write_table(table, claim(run_dir, "clusters.parquet"))
+    meta = save_cluster_map(claim(run_dir, CENTROIDS_FILE), sketches, res.labels, res.centroids, res.algorithm,
+                            features)
     summary = {"k": int(res.k), "merged_small_clusters": int(res.n_merged_clusters),
-               "sizes": np.bincount(res.labels).tolist(), "algorithm": res.algorithm}
+               "sizes": np.bincount(res.labels).tolist(), "algorithm": res.algorithm,
+               "p95_distance": meta["p95_distance"]}
     if res.cap is not None:
         summary.update(capped=True, cap=int(res.cap))
+    if res.from_run is not None:
+        summary["from_run"] = res.from_run
+        d = res.from_run["drift"]
+        if d["suggest_recluster"]:
+            summary["drift_warning"] = drift_warning(d)
+            print(f"[ray-cluster-ft] warning: {summary['drift_warning']}", flush=True)
     warning = clustering_warning(res.k, res.n_merged_clusters, W, c.min_cluster_size)
     alloc = cfg.allocation
     if alloc.strategy == "cluster_per_rank" and res.k != W:

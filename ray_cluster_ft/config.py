@@ -201,6 +201,13 @@ class ClusteringConfig(_Section):
                                          "95th-percentile distance above which the report suggests re-clustering")
     refit: bool = Field(False, description="from_run only: warm-start k-means from the old centroids")
 
+    @model_validator(mode="after")
+    def _refit_needs_a_map(self) -> ClusteringConfig:
+        if self.refit and not self.from_run:
+            raise ValueError("clustering.refit warm-starts k-means from an earlier run's centroids: set "
+                             "clustering.from_run to that run's directory")
+        return self
+
     @field_validator("max_cluster_ratio", mode="before")
     @classmethod
     def _ratio_not_bool(cls, v: Any) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-__all__ = ["StageTimer", "versions", "write_manifest"]
+__all__ = ["StageTimer", "feature_counts", "versions", "write_manifest"]
 
 
 class StageTimer:
@@ -54,13 +54,23 @@ def versions() -> dict:
     }
 
 
+def feature_counts(sketch: dict | None) -> dict:
+    """``features_computed`` (rows featurised by this run) and ``features_reused`` (rows read from the feature
+    store, ``sketch.store``, or from finished shards of an interrupted run): they add up to the rows featurised,
+    0 and 0 when the job computed no features. From the feature stage's summary (the manifest's ``sketch``)."""
+    sketch = sketch or {}
+    return {"features_computed": int(sketch.get("features_computed", 0)),
+            "features_reused": int(sketch.get("features_reused", 0))}
+
+
 def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, data, selection, allocation,
                    tres=None, scores: dict | None = None) -> dict:
     """Fill ``manifest`` with counts, budget, checks, evaluation, training figures, seeds, versions and timings;
     write ``manifest.json``.
 
     Counts add up: ``read = accepted + rejected``, ``accepted = selected + not_selected``, and
-    ``not_selected`` splits into held out, below the budget and dropped for an even plan.
+    ``not_selected`` splits into held out, below the budget and dropped for an even plan;
+    ``features_computed + features_reused`` is the rows featurised (:func:`feature_counts`).
 
     Args:
         data: the data stage's :class:`~ray_cluster_ft.data.DataStage`.
@@ -99,6 +109,7 @@ def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, dat
             "trained": check["distinct_trained"],
             "truncated": d.truncated,
             "rejected_by_reason": data.reasons,
+            **feature_counts(manifest.get("sketch")),
         },
         budget={"requested": requested, "planned": n_sel, "rounded_down_by": dropped},
         checks=check,

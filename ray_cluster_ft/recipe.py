@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from .manifest import StageTimer, write_manifest
 from .model import check_module_patterns
 from .rundir import claim, input_paths, prepare_run_dir, write_spec
 
-__all__ = ["run_pipeline"]
+__all__ = ["run_features", "run_pipeline"]
 
 
 def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = False, resume: bool = False,
@@ -77,7 +78,7 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
             sketches = feats.sketches
             with timer.stage("cluster"):
                 cres, manifest["clustering"] = clustering.run(cfg, run_dir, example_ids=ids, sketches=sketches,
-                                                              resume=resume)
+                                                              resume=resume, features=feats.summary)
             labels, dist = cres.labels, cres.dist
         with timer.stage("select"):
             sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist)
@@ -99,6 +100,71 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
 
             ray.shutdown()
     return _finish(run_dir, cfg, manifest, timer, ds, sel, alloc, labels, tres, scores)
+
+
+def run_features(cfg: JobConfig, address: str | None = None) -> dict:
+    """Data, then features into the feature store, and nothing else (``ray-cluster-ft features``): a nightly
+    job prefetches the features of tomorrow's runs, which then read them from ``sketch.store``.
+
+    Writes into ``output.dir`` the data stage's artifacts, the sketch shards of the rows the store lacked, and
+    ``manifest.json``: ``{"command": "features", "config", "run_dir", "counts": {"read", "accepted",
+    "rejected", "held_out", "candidates", "features_computed", "features_reused"}, "sketch" (the feature
+    stage's summary: store, feature_key, ...), "seeds", "timings_s"}``. Every candidate is featurised, whatever
+    the selection strategy.
+
+    Args:
+        cfg: the validated job config; ``sketch.store`` must be set.
+        address: a Ray cluster to join; default ``$RAY_ADDRESS`` or a new local Ray.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        ConfigError: ``sketch.store`` is not set (the features would be kept nowhere), or as :func:`run_pipeline`
+            for the data stage.
+    """
+    import json
+
+    from .config import ConfigError
+    from .manifest import feature_counts
+
+    if not cfg.sketch.store:
+        raise ConfigError("ray-cluster-ft features writes features into the feature store: set sketch.store (a "
+                          "local path, s3:// or gs://) in the job spec")
+    run_dir = Path(cfg.output.dir).expanduser().resolve()
+    prepare_run_dir(run_dir, False, input_paths(cfg))
+    timer = StageTimer()
+    write_spec(cfg, run_dir)
+    with timer.stage("data"):
+        ds = data.run(cfg, run_dir)
+    cand = ds.result.train
+    if cand.num_rows == 0:
+        raise ConfigError(f"no candidate rows to featurise: {ds.result.n_read} read, {len(ds.result.rejected)} "
+                          f"rejected, {ds.result.eval.num_rows} held out")
+    check_module_patterns(cfg, ds.model_path, True)
+    started_ray = init_ray(address, cfg.train.use_gpu)
+    try:
+        feats = features.run(cfg, run_dir, cand, ds.tokenizer, timer)
+    except KeyboardInterrupt:
+        started_ray = True
+        raise
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    d = ds.result
+    timer.timings["total"] = round(time.perf_counter() - timer.t_start, 3)
+    manifest = {"command": "features", "config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
+                "argv": sys.argv,
+                "counts": {"read": d.n_read, "accepted": d.train.num_rows + d.eval.num_rows,
+                           "rejected": len(d.rejected), "held_out": d.eval.num_rows, "candidates": cand.num_rows,
+                           **feature_counts(feats.summary)},
+                "sketch": feats.summary, "seeds": {"data": cfg.data.seed, "sketch": cfg.sketch.seed},
+                "timings_s": timer.timings}
+    claim(run_dir, "manifest.json")
+    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=float))
+    return manifest
 
 
 def _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume) -> tuple:

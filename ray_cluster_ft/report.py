@@ -95,6 +95,27 @@ def _allocation_figure(path: Path, plan: pd.DataFrame, baseline_plan: pd.DataFra
     return figs
 
 
+def _cluster_map_lines(clustering: dict) -> list[str]:
+    """The report's section on a reused cluster map (``clustering.from_run``): where it came from, the drift of
+    the new rows and, above ``clustering.max_drift``, the suggestion to cluster again. Empty otherwise."""
+    fr = clustering.get("from_run")
+    if not fr:
+        return []
+    d = fr["drift"]
+    share = "n/a (no new rows)" if d["share_new_beyond_p95"] is None else f"{d['share_new_beyond_p95']:.1%}"
+    how = "k-means warm-started from its centroids" if fr["refit"] else "every row assigned to its nearest centroid"
+    head = f"Cluster map of `{fr['run_dir']}` ({fr['map_k']} clusters): {how}."
+    out = ["## Reused cluster map", "", head, "",
+           _table(["rows", "new rows", "new rows beyond the map's p95 distance", "share", "max_drift",
+                   "all rows beyond p95"],
+                  [[d["rows"], d["new_rows"], d["new_beyond_p95"], share, d["max_drift"],
+                    f"{d['share_all_beyond_p95']:.1%}"]]), ""]
+    if d["suggest_recluster"]:
+        out += [f"**Re-clustering suggested:** {clustering.get('drift_warning', 'drift above clustering.max_drift')}.",
+                ""]
+    return out
+
+
 # One section of report.md after another; each figure is its own helper above.
 def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.ndarray | None,
                  selected_idx: np.ndarray, baseline_plan: pd.DataFrame | None = None) -> Path:
@@ -128,6 +149,10 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
     if c.get("rejected_by_reason"):
         lines += ["Rejected by reason (see `rejected.jsonl`):", "",
                   _table(["reason", "rows"], [[k, v] for k, v in c["rejected_by_reason"].items()]), ""]
+    if c.get("features_computed", 0) + c.get("features_reused", 0):
+        store = manifest.get("sketch", {}).get("store")
+        where = f" (feature store `{store}`)." if store else "."
+        lines += [f"Features: {c['features_computed']} computed, {c['features_reused']} reused{where}", ""]
     b = manifest.get("budget", {})
     if b.get("rounded_down_by"):
         lines += [f"The selection ({b['requested']}) was rounded down by {b['rounded_down_by']} so that every rank "
@@ -181,6 +206,7 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
     warning = manifest.get("clustering", {}).get("warning")
     if warning:
         lines += [f"**Warning:** {warning}.", ""]
+    lines += _cluster_map_lines(manifest.get("clustering", {}))
     if labels is not None and len(labels):
         k = int(labels.max()) + 1
         sizes = np.bincount(labels, minlength=k)

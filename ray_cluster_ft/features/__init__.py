@@ -6,10 +6,13 @@
 * :mod:`.sketchers`: the gradient sketch and the embedding baseline behind one interface
   (:func:`make_sketcher`);
 * :mod:`.store`: resumable Parquet shards keyed by settings, model and inputs; :func:`read_sketches`;
+* :mod:`.feature_store`: the cross-run feature store (``sketch.store``), content-addressed, on any pyarrow
+  filesystem;
 * :mod:`.stage`: the Ray Data actor pool (:func:`compute_sketches`) and the stage (:func:`run`);
 * :mod:`.warmup`: optional warm-up training of the sketch model (LESS, Xia et al. 2024).
 """
 
+from .feature_store import FeatureStore, model_fingerprint, row_input_hashes, store_key
 from .inputs import SketchInputs, prepare_sketch_inputs, same_tokenization
 from .last_layer import last_layer_features, normalise_last_layer
 from .projection import Projector, make_projector, select_modules, sketch_batch
@@ -23,7 +26,7 @@ from .sketchers import (
     length_batches,
     make_sketcher,
 )
-from .stage import FeatureStage, ShardSketcher, compute_sketches, run
+from .stage import FeatureStage, ShardSketcher, compute_sketches, run, sketch_with_store
 from .store import Shard, plan_shards, read_sketches, sketch_fingerprint
 from .warmup import warm_up, warmup_plan, warmup_sample
 
@@ -31,6 +34,7 @@ __all__ = [
     "EMBEDDING_PACKAGE",
     "EmbeddingSketcher",
     "FeatureStage",
+    "FeatureStore",
     "GradientSketcher",
     "LastLayerSketcher",
     "Projector",
@@ -44,16 +48,20 @@ __all__ = [
     "length_batches",
     "make_projector",
     "make_sketcher",
+    "model_fingerprint",
     "normalise_last_layer",
     "plan_shards",
     "prepare_sketch_inputs",
     "read_sketches",
+    "row_input_hashes",
     "run",
     "same_tokenization",
     "select_modules",
     "sketch_batch",
     "sketch_fidelity",
     "sketch_fingerprint",
+    "sketch_with_store",
+    "store_key",
     "warm_up",
     "warmup_plan",
     "warmup_sample",
