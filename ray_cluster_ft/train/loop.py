@@ -190,6 +190,9 @@ def _build_engine(config: dict, cfg: SimpleNamespace):
     if cfg.zero_stage == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
+        # DeepSpeed's communication layer must know the world (Ray Train's process group) before zero.Init reads
+        # the batch settings, or it checks them against a world of 1.
+        deepspeed.init_distributed()
         _HF_DS_CONFIG[:] = [HfDeepSpeedConfig(ds)]  # from_pretrained now builds under deepspeed.zero.Init
     kwargs = load_kwargs(precision, cfg.zero_stage, "cuda" if cuda else "cpu",
                          torch.cuda.current_device() if cuda else None)
