@@ -11,7 +11,6 @@ import pytest
 
 from ray_cluster_ft.config import parse_config
 from ray_cluster_ft.model import (
-    cache_dir,
     convert_demo_model,
     download_hub_model,
     load_local_model,

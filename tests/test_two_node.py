@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -88,15 +89,20 @@ def _rows() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """``(address, head_temp_dir, node_temp_dir)`` of a head without CPUs and a 4-CPU node in its own mount
+    """``(address, head_temp_dir, node_temp_dir, env)`` of a head without CPUs and a 4-CPU node in its own mount
     namespace with an empty read-only ``~/.cache``."""
     why = _can_unshare_mounts()
     if why:
         pytest.skip(why)
     tmp = Path(tempfile.mkdtemp(prefix="rcft-2n-", dir="/tmp"))  # short: Ray's socket paths must stay < 108
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    # This cluster's own token (as a real cluster would have): every process here, driver included, uses it.
+    token_path = tmp / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    token_path.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-               PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep))
+               PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep),
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
     port = _free_port()
     head_cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
                 "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
@@ -122,15 +128,16 @@ def two_nodes():
         node_log = open(tmp / "node.log", "w")  # noqa: SIM115 - closed in _stop
         node = subprocess.Popen(["unshare", "-m", "sh", "-c", script], env=env, stdout=node_log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        probe = [sys.executable, "-c", "import ray, time\n"
-                 f"ray.init(address='127.0.0.1:{port}', log_to_driver=False)\n"
-                 "for _ in range(120):\n"
-                 "    if ray.cluster_resources().get('CPU', 0) >= 4: print('ok'); break\n"
-                 "    time.sleep(1)\n"]
+        wait_for_node = ("import ray, time\n"
+                         f"ray.init(address='127.0.0.1:{port}', log_to_driver=False)\n"
+                         "for _ in range(120):\n"
+                         "    if ray.cluster_resources().get('CPU', 0) >= 4: print('ok'); break\n"
+                         "    time.sleep(1)\n")
+        probe = [sys.executable, "-c", wait_for_node]
         up = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=240, check=False)
         if "ok" not in up.stdout:
             pytest.fail(f"the second node did not join: {up.stderr[-2000:]}\n{(tmp / 'node.log').read_text()[-2000:]}")
-        yield f"127.0.0.1:{port}", tmp / "head", tmp / "node"
+        yield f"127.0.0.1:{port}", tmp / "head", tmp / "node", env
     finally:
         if node is not None:
             _stop(node, node_log)
@@ -140,19 +147,19 @@ def two_nodes():
 
 def test_the_second_node_cannot_see_the_drivers_cache(two_nodes):
     """The premise: a task on the second node finds no ``~/.cache/ray-cluster-ft`` (the driver's demo copy)."""
-    address, _, _ = two_nodes
+    address, _, _, env = two_nodes
     code = ("import ray, os\n"
             f"ray.init(address='{address}', log_to_driver=False)\n"
             "f = ray.remote(num_cpus=1)(lambda p: os.path.exists(p))\n"
             "print(ray.get(f.remote(os.path.expanduser('~/.cache/ray-cluster-ft'))))\n")
     assert (Path.home() / ".cache" / "ray-cluster-ft").is_dir()  # the driver's side has it
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+                         env=env)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
 
 
 def test_pipeline_with_the_demo_model_runs_on_a_node_without_the_drivers_cache(two_nodes, tmp_path):
-    address, head_dir, node_dir = two_nodes
+    address, head_dir, node_dir, env = two_nodes
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
     spec = {
@@ -170,7 +177,7 @@ def test_pipeline_with_the_demo_model_runs_on_a_node_without_the_drivers_cache(t
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "ray_cluster_ft.cli", "run", str(tmp_path / "job.yaml"),
                            "--address", address], capture_output=True, text=True, timeout=1500, check=False,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                          cwd=tmp_path, env=env)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
     print(f"two-node pipeline: {time.monotonic() - t0:.0f} s")
     m = json.loads((tmp_path / "runs" / "r" / "manifest.json").read_text())
