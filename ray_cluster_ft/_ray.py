@@ -62,8 +62,7 @@ def init_ray(address: str | None, use_gpu: bool) -> bool:
 
     if ray.is_initialized():
         return False
-    # Workers never reach a hub: the driver resolved every model to a folder on shared storage (model.resolve_models).
-    env = {"HF_HUB_OFFLINE": "1"} if use_gpu else {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
+    env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     check_reachable(address)
     main = threading.current_thread() is threading.main_thread()
