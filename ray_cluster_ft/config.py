@@ -117,7 +117,8 @@ class ModelConfig(_Section):
                             "on the GPU workers)")
     cache_dir: str | None = Field(
         None, description="where the driver puts a converted or downloaded model (`demo`, a hub id) once, on storage "
-                          "every node reads; null = a folder `.model-cache` beside output.dir")
+                          "every node reads; null = a folder `.model-cache` beside output.dir; a relative path is "
+                          "relative to the folder that holds output.dir")
 
 
 class SketchConfig(_Section):

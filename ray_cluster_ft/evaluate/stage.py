@@ -134,7 +134,8 @@ def evaluate_model_path(model_path: str, examples: pa.Table, batch_size: int = 8
     """Load ``model_path`` (fp32 on CPU, bf16 on CUDA) and evaluate it on the held-out ``examples``.
 
     Args:
-        model_path: a Hugging Face folder (or ``demo``) with its tokenizer (needed only with ``tasks``).
+        model_path: the absolute Hugging Face folder the driver resolved, with its tokenizer (needed only with
+            ``tasks``); a name such as ``demo`` raises ``ValueError`` (:func:`ray_cluster_ft.model.require_local_model`).
         examples: held-out rows (``data.EXAMPLE_SCHEMA``).
         batch_size: sequences per forward pass / ``generate`` call.
         pad_token_id: pad id for the loss batches.
@@ -154,16 +155,16 @@ def evaluate_model_path(model_path: str, examples: pa.Table, batch_size: int = 8
     """
     import torch
 
-    from ..model import load_model, load_tokenizer
+    from ..model import load_local_model, load_local_tokenizer
 
     if num_threads:
         torch.set_num_threads(num_threads)
     cuda = torch.cuda.is_available()
-    model = load_model(model_path, trust_remote_code=trust_remote_code,
-                       dtype=torch.bfloat16 if cuda else torch.float32)
-    if cuda:
-        model = model.cuda()
-    tok = load_tokenizer(model_path, trust_remote_code) if tasks else None
+    # The absolute folder the driver resolved, read offline; bf16 weights straight onto the GPU.
+    model = load_local_model(model_path, trust_remote_code=trust_remote_code,
+                             dtype=torch.bfloat16 if cuda else torch.float32,
+                             device_map={"": "cuda:0"} if cuda else None)
+    tok = load_local_tokenizer(model_path, trust_remote_code) if tasks else None
     # Single-token MC choices (the letters) are read off the loss pass: no second pass over those prompts.
     scores = _single_token_choices(tok, tasks) if tasks else {}
     t0 = time.perf_counter()
@@ -205,7 +206,7 @@ def ray_evaluator(cfg: JobConfig, pad_token_id: int) -> Evaluator:
         threads = max(1, min(4, os.cpu_count() or 1))
         task = ray.remote(evaluate_model_path).options(
             num_cpus=1, num_gpus=1 if cfg.train.use_gpu else 0,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}})
         ev = cfg.evaluation
         return ray.get(task.remote(model_path, examples, 8, pad_token_id, cfg.model.trust_remote_code, threads,
                                    tasks=tasks, max_new_tokens=ev.max_new_tokens, time_limit_s=ev.time_limit_s,

@@ -94,7 +94,9 @@ def deepspeed_config(cfg: TrainConfig, total_steps: int, user: dict | None = Non
     - batch: ``train_micro_batch_size_per_gpu = micro_batch_size``, ``gradient_accumulation_steps =
       grad_accum``, ``train_batch_size`` = their product times ``num_workers`` (DeepSpeed checks it
       against the real world size);
-    - ``zero_optimization.stage = zero_stage``; ``gradient_clipping = max_grad_norm``;
+    - ``zero_optimization.stage = zero_stage``; ``gradient_clipping = max_grad_norm``; under ZeRO-3
+      ``stage3_gather_16bit_weights_on_model_save`` (the final model is consolidated one module at a time onto
+      rank 0, not gathered whole on every rank);
     - precision (:func:`precision_for`): ``train.precision``, where ``auto`` is fp32 on CPU and, on GPU, left
       for each worker to settle on its own device (:func:`resolve_precision`); bf16 and fp16 accumulate
       gradients in fp32 (``data_types.grad_accum_dtype``), fp16 uses dynamic loss scaling (fp16 is not
@@ -118,6 +120,8 @@ def deepspeed_config(cfg: TrainConfig, total_steps: int, user: dict | None = Non
     if total_steps < 1:
         raise ValueError(f"deepspeed_config: total_steps must be >= 1, got {total_steps}")
     zero: dict[str, Any] = {"stage": int(cfg.zero_stage)}
+    if cfg.zero_stage == 3:  # the final model is gathered module by module onto rank 0 (loop._save_hf_model)
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     if cfg.offload in ("optimizer", "params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": bool(cfg.use_gpu)}
     if cfg.offload == "params":

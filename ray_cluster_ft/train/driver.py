@@ -40,8 +40,8 @@ class TrainResult:
             micro-batch, then over the step's micro-batches and the ranks).
         log_path: ``train_log.jsonl``, one row per step.
         trained_path: ``trained.parquet``, one row per trained example, in training order per rank.
-        checkpoint_path: the final Ray Train checkpoint folder (DeepSpeed state of every rank); None if
-            Ray reported none.
+        checkpoint_path: the final checkpoint folder (DeepSpeed state of every rank, under
+            ``run_dir/ray_train/train``); None with ``train.final_checkpoint`` off.
         init_seconds: seconds rank 0 spent loading the model and in ``deepspeed.initialize``.
         step_time_p50_s, step_time_p90_s: per rank (list index = rank), the median and 90th percentile of
             the optimizer-step wall time in seconds.
@@ -110,7 +110,9 @@ def _trainer(cfg: TrainConfig, tables: list[pa.Table], run_dir: Path, loop_confi
     from ..model import cache_dir
 
     # Ray Train's print patch both tees and logs every print of a worker: the progress lines came out twice.
-    env = {"TORCH_EXTENSIONS_DIR": str(cache_dir() / "torch_extensions"), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    # HF_HUB_OFFLINE: the workers read the folder the driver resolved and never reach a hub.
+    env = {"TORCH_EXTENSIONS_DIR": str(cache_dir() / "torch_extensions"), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+           "HF_HUB_OFFLINE": "1"}
     if not cfg.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
     datasets = {}
@@ -129,7 +131,8 @@ def _trainer(cfg: TrainConfig, tables: list[pa.Table], run_dir: Path, loop_confi
             name="train",
             storage_path=str(run_dir / "ray_train"),
             worker_runtime_env={"env_vars": env},
-            # Only the latest checkpoint is kept (the demo model's ZeRO-2 checkpoint is about 2 GB).
+            # Only the latest checkpoint is kept (the demo model's ZeRO-2 checkpoint is about 2 GB). The workers
+            # write each checkpoint once, straight into its folder here (loop._checkpoint).
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         ),
@@ -180,7 +183,9 @@ def train(
             by ``(rank, epoch, step, micro_index, position)``; see :func:`ray_cluster_ft.allocate.check_plan`.
         examples: ``example_id`` (str), ``input_ids``, ``labels`` (list<int32>, -100 on prompt tokens).
         cfg: the ``train`` section of the job config.
-        model_path: ``demo``, a local Hugging Face folder or a hub id (resolved with ``resolve_model_path``).
+        model_path: ``demo`` or a local Hugging Face folder, resolved here on the driver with
+            ``resolve_model_path`` to the absolute folder the workers load (a hub id must be resolved to a folder
+            first, :func:`ray_cluster_ft.model.resolve_models`: workers refuse names).
         run_dir: the run directory (local path visible to the driver and every worker).
         trust_remote_code: passed to ``from_pretrained``.
         save_model: write ``run_dir/final_model`` (HF format + tokenizer).
@@ -197,7 +202,8 @@ def train(
         resume: continue from the newest complete checkpoint under ``run_dir/ray_train`` (a stopped run of the
             same plan: Ray's latest, or a newer complete one on disk; incomplete ones are skipped and reported);
             False starts clean, deleting that run's checkpoints and logs. Checkpoints other than the final one
-            are removed after the run.
+            are removed after the run; with ``cfg.final_checkpoint`` off no final one is written and none is
+            kept (only ``final_model/``).
 
     Fault tolerance: ``cfg.max_failures`` worker-group restarts, each resuming from the latest checkpoint
     (written every ``cfg.checkpoint_every`` steps and at the end). For tests, ``$RAY_CLUSTER_FT_FAIL_AT_STEP=N``
@@ -265,7 +271,11 @@ def train(
     t0 = time.perf_counter()
     result = _fit(trainer)
     seconds = time.perf_counter() - t0
-    prune_checkpoints(storage, result.checkpoint.path if result.checkpoint is not None else None)
+    keep = result.checkpoint.path if result.checkpoint is not None else None
+    if keep is None and cfg.final_checkpoint:  # a resumed run that had nothing left to train wrote none
+        keep, _ = newest_complete_checkpoint(storage, world, this_plan)
+    prune_checkpoints(storage, keep if cfg.final_checkpoint else None)
+    keep = keep if cfg.final_checkpoint else None
 
     trained = _consolidate_trained(run_dir, world)
     trained_path = run_dir / "trained.parquet"
@@ -295,7 +305,7 @@ def train(
         final_loss=float(log["loss"].iloc[-1]),
         log_path=log_path,
         trained_path=trained_path,
-        checkpoint_path=result.checkpoint.path if result.checkpoint is not None else None,
+        checkpoint_path=keep,
         init_seconds=float(metrics.get("init_s", float("nan"))),
         step_time_p50_s=np.percentile(per_rank, 50, axis=0).round(4).tolist(),
         step_time_p90_s=np.percentile(per_rank, 90, axis=0).round(4).tolist(),

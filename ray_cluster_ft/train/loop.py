@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from functools import partial
 from itertools import pairwise
@@ -108,21 +107,43 @@ def _restore(engine, rank: int, plan_hash: str, disk_checkpoint: str | None) -> 
     return done, pos.get("rows_done")
 
 
-def _checkpoint(engine, rank: int, done: int, steps_done: int, plan_hash: str, metrics: dict, rows_done: int) -> None:
-    """Every rank saves its DeepSpeed shard and its plan position (micro-batches and rows trained: a pack's row
-    count varies); Ray merges them into one checkpoint. The position file lists the files this rank wrote with
-    their sizes, so a checkpoint cut short by an interrupt can be told from a complete one."""
+def checkpoint_dir_name(steps_done: int) -> str:
+    """The folder of the checkpoint after ``steps_done`` optimizer steps, under Ray Train's run folder
+    (``run_dir/ray_train/train``); the zero-padded step keeps the names in step order."""
+    return f"checkpoint_step{steps_done:06d}"
+
+
+def _checkpoint(engine, rank: int, done: int, steps_done: int, plan_hash: str, metrics: dict,
+                rows_done: int) -> str:
+    """Every rank saves its DeepSpeed shard straight into the checkpoint's final folder in Ray Train's run folder
+    on the shared storage (written once: no local temporary folder that Ray then copies), then its plan
+    position (micro-batches and rows trained: a pack's row count varies), and reports the folder with ``checkpoint_upload_mode=NO_UPLOAD`` (Ray records it where it is).
+    The position file lists the folder's files with their sizes, taken after every rank finished writing, so a
+    checkpoint cut short by an interrupt can be told from a complete one (:mod:`.checkpoints`). Returns the
+    folder. A collective: every rank must call it."""
     import ray.train
+    import torch.distributed as dist
+    from ray.train import CheckpointUploadMode
 
     tag = f"step{steps_done}"
-    with tempfile.TemporaryDirectory(prefix="ds_ckpt_") as tmp:
-        engine.save_checkpoint(tmp, tag=tag)
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
-        # One position file per rank, so Ray's merge of the ranks' checkpoint folders cannot collide.
-        (Path(tmp) / f"plan_position_rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "micro_batches_done": done, "rows_done": rows_done, "steps_done": steps_done, "tag": tag,
-             "plan_hash": plan_hash, "files": files}))
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    name = checkpoint_dir_name(steps_done)
+    dest = Path(ray.train.get_context().get_storage().experiment_fs_path) / name
+    dest.mkdir(parents=True, exist_ok=True)
+    position = dest / f"plan_position_rank{rank}.json"
+    position.unlink(missing_ok=True)  # a folder left by an interrupted attempt at this step is rewritten
+    engine.save_checkpoint(str(dest), tag=tag)
+    dist.barrier()  # every rank's files are on disk before any rank lists them
+    files = {str(p.relative_to(dest)): p.stat().st_size for p in sorted(dest.rglob("*"))
+             if p.is_file() and not p.name.startswith("plan_position_rank")}
+    # One position file per rank: the checkpoint is complete when every rank's is there and its files match.
+    tmp = position.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "micro_batches_done": done, "rows_done": rows_done,
+                               "steps_done": steps_done, "tag": tag,
+                               "plan_hash": plan_hash, "files": files}))
+    tmp.replace(position)
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(dest)), checkpoint_dir_name=name,
+                     checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    return str(dest)
 
 
 def _metric_handles(rank: int) -> dict:
@@ -153,24 +174,62 @@ def _namespace(d: dict) -> SimpleNamespace:
     return SimpleNamespace(**{k: _namespace(v) if isinstance(v, dict) else v for k, v in d.items()})
 
 
+# transformers finds the ZeRO-3 config through a weak reference: the object must outlive from_pretrained (and is
+# kept for the worker's life, as transformers' Trainer keeps it with its arguments).
+_HF_DS_CONFIG: list = []
+
+
+def load_kwargs(precision: str, zero_stage: int, device_type: str, device_index: int | None = None) -> dict:
+    """How a worker loads the trained model: ``dtype`` of the run's precision (bf16, fp16; fp32 on the CPU), and
+    under ZeRO 0-2 on a GPU ``device_map`` onto this worker's GPU, so the weights go there in that dtype without a
+    host copy of the whole model. Under ZeRO-3 no ``device_map``: the model is constructed partitioned
+    (:func:`_build_engine` activates transformers' ``HfDeepSpeedConfig``, whose ``deepspeed.zero.Init`` places
+    each rank's shard). Pure.
+
+    Returns:
+        ``{"dtype": torch.dtype}`` plus ``{"device_map": {"": "cuda:<i>"}}`` on a GPU under ZeRO 0-2.
+    """
+    import torch
+
+    out: dict[str, Any] = {"dtype": {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)}
+    if device_type == "cuda" and zero_stage != 3:
+        out["device_map"] = {"": f"cuda:{device_index or 0}"}
+    return out
+
+
 def _build_engine(config: dict, cfg: SimpleNamespace):
-    """Load the model in the run's precision (bf16/fp16 straight onto the GPU's dtype, fp32 on CPU), turn on
-    gradient checkpointing if asked, wrap LoRA adapters if configured, and ``deepspeed.initialize`` it with the
-    driver's DeepSpeed dict (``auto`` precision settled on this worker's GPU) and the client LR schedule.
-    Returns ``(engine, load_seconds, init_seconds, precision)``."""
+    """Load the model in the run's precision (bf16/fp16 straight onto this worker's GPU in that dtype under
+    ZeRO 0-2, constructed partitioned with ``deepspeed.zero.Init`` under ZeRO-3; fp32 on CPU), turn on gradient
+    checkpointing if asked, wrap LoRA adapters if configured, and ``deepspeed.initialize`` it with the driver's
+    DeepSpeed dict (``auto`` precision settled on this worker's GPU) and the client LR schedule. The model folder
+    is the absolute one the driver resolved (``config["model_dir"]``), read offline.
+    Returns ``(engine, load_seconds, init_seconds, precision)``.
+
+    Raises:
+        ValueError: ``config["model_dir"]`` is not a resolved absolute folder (:func:`ray_cluster_ft.model.require_local_model`).
+    """
     import deepspeed
     import torch
 
-    from ..model import load_model
+    from ..model import load_local_model
 
     _disable_shm_comm()
     t0 = time.perf_counter()
     ds, precision = config["ds_config"], config["precision"]
+    cuda = cfg.use_gpu and torch.cuda.is_available()
     if cfg.use_gpu:
         ds, precision = resolve_precision(ds, precision, torch.cuda.is_bf16_supported())
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    model = load_model(config["model_dir"], trust_remote_code=config["trust_remote_code"], dtype=dtype,
-                       attn_implementation=config.get("attn_implementation"))
+    if cfg.zero_stage == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # DeepSpeed's communication layer must know the world (Ray Train's process group) before zero.Init reads
+        # the batch settings, or it checks them against a world of 1.
+        deepspeed.init_distributed()
+        _HF_DS_CONFIG[:] = [HfDeepSpeedConfig(ds)]  # from_pretrained now builds under deepspeed.zero.Init
+    kwargs = load_kwargs(precision, cfg.zero_stage, "cuda" if cuda else "cpu",
+                         torch.cuda.current_device() if cuda else None)
+    model = load_local_model(config["model_dir"], trust_remote_code=config["trust_remote_code"],
+                             attn_implementation=config.get("attn_implementation"), **kwargs)
     if config.get("gradient_checkpointing"):
         # Non-reentrant checkpointing also works with frozen inputs (LoRA) and with ZeRO-3's hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -361,23 +420,59 @@ def train_loop_per_worker(config: dict) -> None:
     t_train = time.perf_counter() - t_train
 
     final = {**metrics, "load_s": t_load, "init_s": t_init, "train_s": t_train, "resumed_from_micro_batch": start}
-    # The final checkpoint comes before the model is written: merging LoRA adapters rewrites the module tree.
-    _checkpoint(engine, rank, done, done // ga, config["plan_hash"], final, rows_done)
+    # The final checkpoint comes before the model is written (merging LoRA adapters rewrites the module tree). None
+    # with train.final_checkpoint off, nor when this attempt trained nothing (its checkpoint is already there).
+    if getattr(cfg, "final_checkpoint", True) and done > start:
+        _checkpoint(engine, rank, done, done // ga, config["plan_hash"], final, rows_done)
+    else:
+        ray.train.report(final)
     if config["save_model"]:
         _save_hf_model(engine, run_dir / "final_model", rank, cfg.zero_stage,
                        merge_lora=cfg.lora.enabled and cfg.lora.merge)
     dist.barrier()
 
 
+def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default") -> dict:
+    """A peft LoRA model's full state dict -> the base model's, the adapters merged in:
+    ``W + scaling * B @ A`` for every ``<m>.base_layer.weight`` with ``<m>.lora_A.<adapter>.weight`` (r, in) and
+    ``<m>.lora_B.<adapter>.weight`` (out, r), the ``base_model.model.`` prefix and ``.base_layer`` removed, the
+    adapter tensors dropped. Computed in fp32, stored back in each weight's dtype; tied (shared) tensors stay
+    shared. peft's ``merge_and_unload`` does the same on a live module (``scaling = lora_alpha / r``). Pure.
+
+    Raises:
+        KeyError: an adapter half without its partner.
+    """
+    out: dict = {}
+    lora = {k for k in state if f".lora_A.{adapter}." in k or f".lora_B.{adapter}." in k}
+    for key, value in state.items():
+        if key in lora or ".lora_" in key:
+            continue
+        new = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if key.endswith(".base_layer.weight"):
+            stem = key[: -len(".base_layer.weight")]
+            a, b = state[f"{stem}.lora_A.{adapter}.weight"], state[f"{stem}.lora_B.{adapter}.weight"]
+            value = (value.float() + scaling * (b.float() @ a.float())).to(value.dtype)
+        out[new] = value
+    return out
+
+
 def _save_hf_model(engine, dest: Path, rank: int, zero_stage: int, merge_lora: bool = False) -> None:
     """Rank 0 writes ``engine.module`` with ``save_pretrained`` (for a peft model: the adapter, or with
-    ``merge_lora`` the base model with the adapters merged in); under ZeRO-3 every rank first all-gathers the
-    partitioned parameters (a collective, so all ranks must call this)."""
-    import deepspeed
-
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero_stage == 3):
-        if rank == 0:
-            module = engine.module.merge_and_unload() if merge_lora else engine.module
-            module.save_pretrained(dest)
-
+    ``merge_lora`` the base model with the adapters merged in). Under ZeRO-3 the weights come from DeepSpeed's
+    16-bit consolidation (``_zero3_consolidated_16bit_state_dict``, enabled by
+    ``stage3_gather_16bit_weights_on_model_save``): gathered one module at a time onto rank 0 and moved to its
+    host memory, so no rank ever holds every parameter on its GPU at once. A collective: all ranks must call it."""
+    if zero_stage == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()
+        if rank != 0:
+            return
+        module = engine.module
+        if merge_lora:
+            peft_cfg = module.peft_config["default"]
+            state = merge_lora_state_dict(state, peft_cfg.lora_alpha / peft_cfg.r)
+            module = module.get_base_model()
+        module.save_pretrained(dest, state_dict=state)
+        return
+    if rank == 0:
+        module = engine.module.merge_and_unload() if merge_lora else engine.module
+        module.save_pretrained(dest)

@@ -52,7 +52,7 @@ def _build(model_dir, **train) -> dict:
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(cache_dir() / "torch_extensions")}  # the trainer's cache: built once
     done = subprocess.run([sys.executable, "-c", _SCRIPT, str(model_dir), json.dumps({"num_workers": 1, **train})],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -83,3 +83,125 @@ def test_precision_settings_of_the_deepspeed_dict():
     assert "torch_adam" not in deepspeed_config(TrainConfig(zero_stage=2, offload="optimizer"), 1)["optimizer"]["params"]
     with pytest.raises(ConfigError, match="train.precision 'fp16' needs train.use_gpu"):
         parse_config({"train": {"precision": "fp16"}})
+
+
+_ZERO3_SCRIPT = r"""
+import json, sys
+import torch
+import deepspeed
+import ray_cluster_ft.model as M
+from ray_cluster_ft.config import TrainConfig
+from ray_cluster_ft.train.deepspeed import deepspeed_config, precision_for
+from ray_cluster_ft.train.loop import _build_engine, _namespace, _save_hf_model
+
+seen = {}
+load = M.load_local_model
+def spy(*args, **kwargs):  # what from_pretrained built, before deepspeed.initialize touches it
+    model = load(*args, **kwargs)
+    seen["partitioned_at_load"] = all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
+    seen["kwargs"] = sorted(kwargs)
+    return model
+M.load_local_model = spy
+
+train = TrainConfig(**json.loads(sys.argv[2]))
+ds = deepspeed_config(train, 1)
+config = {"model_dir": sys.argv[1], "trust_remote_code": False, "total_steps": 1, "ds_config": ds,
+          "precision": precision_for(train), "gradient_checkpointing": False, "attn_implementation": "eager"}
+engine, _, _, _ = _build_engine(config, _namespace(train.model_dump()))
+x = torch.randint(1, 1000, (2, 12))
+loss = engine(input_ids=x, labels=x).loss
+engine.backward(loss)
+engine.step()
+_save_hf_model(engine, __import__("pathlib").Path(sys.argv[3]), 0, 3, merge_lora=True)
+params = list(engine.module.parameters())
+with deepspeed.zero.GatheredParameters(params, modifier_rank=0):  # the reference: peft's own merge, gathered
+    ref = {k: v.detach().clone() for k, v in engine.module.merge_and_unload().state_dict().items()}
+from transformers import AutoModelForCausalLM
+import ray_cluster_ft.train.loop as loop
+loop._HF_DS_CONFIG.clear()  # load the saved folder as a plain model, not under zero.Init
+saved = AutoModelForCausalLM.from_pretrained(sys.argv[3]).state_dict()
+lora_moved = max(float((ref[k] - v).abs().max()) for k, v in saved.items() if k in ref)
+print(json.dumps({**seen, "gather_flag": ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"],
+                  "same_keys": sorted(saved) == sorted(ref), "max_abs_diff": lora_moved}))
+"""
+
+
+@pytest.mark.slow
+def test_zero3_builds_the_model_partitioned_and_saves_it_through_the_16bit_gather(tiny_model_dir, tmp_path):
+    """ZeRO-3 on CPU (gloo, world 1): from_pretrained already returns partitioned parameters (transformers'
+    HfDeepSpeedConfig + deepspeed.zero.Init), and the merged LoRA model saved from DeepSpeed's module-by-module
+    16-bit consolidation equals peft's merge_and_unload of the gathered model after a training step."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+    train = {"num_workers": 1, "zero_stage": 3, "lr": 1e-2, "lora": {"enabled": True, "r": 4, "alpha": 8, "merge": True}}
+    done = subprocess.run([sys.executable, "-c", _ZERO3_SCRIPT, str(tiny_model_dir), json.dumps(train),
+                           str(tmp_path / "final")], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["partitioned_at_load"] is True and "device_map" not in got["kwargs"]
+    assert got["gather_flag"] is True and got["same_keys"] is True
+    assert got["max_abs_diff"] < 1e-6
+
+
+def test_load_kwargs_bf16_straight_onto_the_gpu():
+    import torch
+
+    from ray_cluster_ft.train.loop import load_kwargs
+
+    assert load_kwargs("bf16", 2, "cuda", 3) == {"dtype": torch.bfloat16, "device_map": {"": "cuda:3"}}
+    assert load_kwargs("fp16", 0, "cuda", 0) == {"dtype": torch.float16, "device_map": {"": "cuda:0"}}
+    assert load_kwargs("bf16", 3, "cuda", 1) == {"dtype": torch.bfloat16}  # ZeRO-3: zero.Init places the shards
+    assert load_kwargs("fp32", 2, "cpu") == {"dtype": torch.float32}
+    assert load_kwargs("bf16", 2, "cpu") == {"dtype": torch.bfloat16}
+
+
+def test_sketch_actors_load_bf16_weights_where_they_run_in_bf16():
+    import torch
+
+    from ray_cluster_ft.features.sketchers import sketch_load_dtype
+
+    assert sketch_load_dtype("cuda", "auto") == torch.bfloat16
+    assert sketch_load_dtype("cuda", "bfloat16") == torch.bfloat16
+    assert sketch_load_dtype("cuda", "float32") == torch.float32
+    assert sketch_load_dtype("cpu", "auto") == torch.float32
+    assert sketch_load_dtype("cpu", "bfloat16") == torch.bfloat16
+
+
+def test_sketcher_holds_the_weights_in_the_load_dtype(tiny_model_dir):
+    import torch
+
+    from ray_cluster_ft.config import SketchConfig
+    from ray_cluster_ft.features.sketchers import GradientSketcher
+
+    sk = GradientSketcher(str(tiny_model_dir), SketchConfig(dtype="bfloat16", k_in=4, k_out=4, dim=16).model_dump(),
+                          device="cpu")
+    assert {p.dtype for p in sk.model.parameters()} == {torch.bfloat16}
+
+
+def test_merge_lora_state_dict_equals_peft_merge_and_unload(tiny_model_dir):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from ray_cluster_ft.model import load_local_model
+    from ray_cluster_ft.train.loop import merge_lora_state_dict
+
+    torch.manual_seed(0)
+    model = get_peft_model(load_local_model(str(tiny_model_dir)),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # B starts at zero: make the merge change something
+    merged = merge_lora_state_dict(model.state_dict(), 8 / 4)
+    ref = model.merge_and_unload().state_dict()
+    assert sorted(merged) == sorted(ref)
+    assert max(float((merged[k] - ref[k]).abs().max()) for k in ref) < 1e-6
+    with pytest.raises(KeyError):
+        merge_lora_state_dict({"base_model.model.a.base_layer.weight": torch.zeros(2, 2)}, 1.0)
+
+
+def test_zero3_dict_gathers_16bit_weights_on_save():
+    ds = deepspeed_config(TrainConfig(zero_stage=3), 1)
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert "stage3_gather_16bit_weights_on_model_save" not in deepspeed_config(TrainConfig(zero_stage=2), 1)[
+        "zero_optimization"]

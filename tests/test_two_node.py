@@ -1,0 +1,197 @@
+"""Two Ray nodes on one machine, the second unable to see the driver's home cache, as a separate machine would be.
+
+The head runs no tasks (``--num-cpus=0``). The second node is started inside its own mount namespace
+(``unshare -m``) with an empty, read-only tmpfs over ``~/.cache``: the driver's converted demo model
+(``~/.cache/ray-cluster-ft``), its Hugging Face cache and its compiled ops are not there. The whole pipeline then
+runs with ``model.path: demo`` (sketch actors, training workers and both evaluations, all on the second node,
+the only one with CPUs); it can only pass if the driver resolved the model once into ``model.cache_dir`` beside
+``output.dir`` and every worker loaded that folder.
+
+Both nodes are started by this module (``ray start --block``, own ``--temp-dir``, free ports) and stopped by
+signalling those processes and their descendants: never ``ray stop``, which would stop every Ray on the
+machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _can_unshare_mounts() -> str | None:
+    """None when ``unshare -m`` with a tmpfs mount works here, else why not."""
+    if shutil.which("unshare") is None:
+        return "the unshare tool is not installed"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o ro tmpfs /mnt && umount /mnt"],
+                           capture_output=True, text=True, check=False, timeout=30)
+    if probe.returncode != 0:
+        return f"unshare -m with a tmpfs mount is not permitted here: {probe.stderr.strip()[:200]}"
+    return None
+
+
+def _node_ports() -> list[str]:
+    flags = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
+    lo = _free_port()
+    return [f"{f}={_free_port()}" for f in flags] + [f"--min-worker-port={lo}", f"--max-worker-port={lo + 40}"]
+
+
+def _stop(proc: subprocess.Popen, log) -> None:
+    """SIGTERM the ``ray start --block`` process started here, then any of its descendants still alive."""
+    procs = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    _, alive = psutil.wait_procs(procs, timeout=20)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    log.close()
+
+
+def _rows() -> list[dict]:
+    code = [{"question": f"Write a Python function that returns {i} times x.",
+             "answer": f"def times_{i}(x):\n    return {i} * x", "domain": "code"} for i in range(8)]
+    med = [{"question": f"What is the usual adult dose of drug number {i}?",
+            "answer": f"Drug {i} is usually given at {5 * (i + 1)} mg twice a day.", "domain": "medical"}
+           for i in range(8)]
+    return code + med
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """``(address, head_temp_dir, node_temp_dir, env)`` of a head without CPUs and a 4-CPU node in its own mount
+    namespace with an empty read-only ``~/.cache``."""
+    why = _can_unshare_mounts()
+    if why:
+        pytest.skip(why)
+    tmp = Path(tempfile.mkdtemp(prefix="rcft-2n-", dir="/tmp"))  # short: Ray's socket paths must stay < 108
+    # This cluster's own token (as a real cluster would have): every process here, driver included, uses it.
+    token_path = tmp / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    token_path.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+               PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep),
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
+    port = _free_port()
+    head_cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
+                "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
+                f"--temp-dir={tmp / 'head'}", "--disable-usage-stats", *_node_ports()]
+    head_log = open(tmp / "head.log", "w")  # noqa: SIM115 - closed in _stop
+    head = subprocess.Popen(head_cmd, env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
+    node = node_log = None
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                break
+            except OSError:
+                if head.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"Ray head did not come up: {(tmp / 'head.log').read_text()[-3000:]}")
+                time.sleep(1)
+        home_cache = Path.home() / ".cache"
+        node_cmd = " ".join([str(BIN / "ray"), "start", "--block", f"--address=127.0.0.1:{port}", "--num-cpus=4",
+                             "--num-gpus=0", f"--temp-dir={tmp / 'node'}", "--disable-usage-stats", *_node_ports()])
+        # Mounts in the new namespace are private (unshare's default): the tmpfs hides ~/.cache from this node only.
+        script = f"mkdir -p {home_cache} && mount -t tmpfs -o ro,size=1m tmpfs {home_cache} && exec {node_cmd}"
+        node_log = open(tmp / "node.log", "w")  # noqa: SIM115 - closed in _stop
+        node = subprocess.Popen(["unshare", "-m", "sh", "-c", script], env=env, stdout=node_log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for_node = ("import ray, time\n"
+                         f"ray.init(address='127.0.0.1:{port}', log_to_driver=False)\n"
+                         "for _ in range(120):\n"
+                         "    if ray.cluster_resources().get('CPU', 0) >= 4: print('ok'); break\n"
+                         "    time.sleep(1)\n")
+        probe = [sys.executable, "-c", wait_for_node]
+        up = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=240, check=False)
+        if "ok" not in up.stdout:
+            pytest.fail(f"the second node did not join: {up.stderr[-2000:]}\n{(tmp / 'node.log').read_text()[-2000:]}")
+        yield f"127.0.0.1:{port}", tmp / "head", tmp / "node", env
+    finally:
+        if node is not None:
+            _stop(node, node_log)
+        _stop(head, head_log)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_second_node_cannot_see_the_drivers_cache(two_nodes):
+    """The premise: a task on the second node finds no ``~/.cache/ray-cluster-ft`` (the driver's demo copy)."""
+    address, _, _, env = two_nodes
+    code = ("import ray, os\n"
+            f"ray.init(address='{address}', log_to_driver=False)\n"
+            "f = ray.remote(num_cpus=1)(lambda p: os.path.exists(p))\n"
+            "print(ray.get(f.remote(os.path.expanduser('~/.cache/ray-cluster-ft'))))\n")
+    assert (Path.home() / ".cache" / "ray-cluster-ft").is_dir()  # the driver's side has it
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                         env=env)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
+def test_pipeline_with_the_demo_model_runs_on_a_node_without_the_drivers_cache(two_nodes, tmp_path):
+    address, head_dir, node_dir, env = two_nodes
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    spec = {
+        "data": {"source": "files", "paths": [str(data)], "max_seq_len": 96, "eval_fraction": 0.15, "max_eval": 2},
+        "model": {"path": "demo"},
+        "sketch": {"method": "last_layer", "batch_size": 8, "num_actors": 1},
+        "clustering": {"k": 2},
+        "selection": {"strategy": "balanced", "budget": 2},
+        "allocation": {"strategy": "cluster"},
+        "train": {"num_workers": 2, "micro_batch_size": 1, "grad_accum": 1, "timeout_s": 300},
+        "evaluation": {"max_mc": 0, "max_code": 0},
+        "output": {"dir": str(tmp_path / "runs" / "r")},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "ray_cluster_ft.cli", "run", str(tmp_path / "job.yaml"),
+                           "--address", address], capture_output=True, text=True, timeout=1500, check=False,
+                          cwd=tmp_path, env=env)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
+    print(f"two-node pipeline: {time.monotonic() - t0:.0f} s")
+    m = json.loads((tmp_path / "runs" / "r" / "manifest.json").read_text())
+    cache = tmp_path / "runs" / ".model-cache"
+    assert m["models"]["model.cache_dir"] == str(cache) and m["models"]["model.path"].startswith(str(cache))
+    assert m["config"]["model"]["path"] == "demo"  # the manifest keeps the user's spec
+    assert m["counts"]["trained"] == 2 and m["train"]["steps"] == 1
+    assert (tmp_path / "runs" / "r" / "final_model" / "config.json").is_file()
+    # The work ran on the second node (the head has no CPUs): its worker logs name the training workers, the
+    # sketch actor and the evaluation task; the head's name none of them.
+    def names(d: Path) -> str:
+        return "".join(p.read_text(errors="replace") for p in d.rglob("worker-*.out")) + \
+               "".join(p.read_text(errors="replace") for p in d.rglob("worker-*.err"))
+    on_node, on_head = names(node_dir), names(head_dir)
+    for what in ("RayTrainWorker", "evaluate_model_path", "ShardSketcher"):
+        assert what in on_node, what
+        assert what not in on_head, what
