@@ -83,7 +83,8 @@ def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *
             ``max_seq_len`` and ``overlong`` for a :class:`JobConfig`, the defaults otherwise); or a
             ``pyarrow.Table`` already tokenized (``example_id``, ``input_ids``, ``labels``, ``n_tokens`` as in
             :data:`ray_cluster_ft.data.EXAMPLE_SCHEMA`, plus ``text`` for ``sketch.method: embedding``).
-        model: the model to tokenize and sketch with: ``demo``, a local folder or a hub id. For ``embedding``
+        model: the model to tokenize and sketch with: ``demo``, a local folder or a hub id (downloaded once by
+            this process into ``model.cache_dir``, else ``~/.cache/ray-cluster-ft/models``). For ``embedding``
             it only counts tokens; the encoder is ``sketch.model`` or the packaged all-MiniLM-L6-v2.
         cfg: a :class:`JobConfig` (its ``sketch``, ``data``, ``model.trust_remote_code``, ``train.num_workers``
             and ``train.use_gpu`` apply) or a :class:`SketchConfig`.
@@ -112,11 +113,14 @@ def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *
     if sk.method == "last_layer" and w is None:
         raise ValueError("compute_features: last_layer features depend on the world size; pass a JobConfig or "
                          "world_size=")
-    model_path = resolve_model_path(model, "model")
+    # Resolved here, once: the sketch actors load only absolute folders (a hub id is downloaded into the cache
+    # by this process, so on a cluster set model.cache_dir to storage every node reads).
+    cache = _model_cache(job)
+    model_path = resolve_model_path(model, "model", cache=cache)
     trust = bool(job and job.model.trust_remote_code)
     tokenizer = load_tokenizer(model_path, trust)
     table = _input_table(rows_or_table, tokenizer, job.data if job else DataConfig(), sk.method)
-    sketch_model = _sketch_model(sk, model_path)
+    sketch_model = _sketch_model(sk, model_path, cache)
     args = (table, sketch_model, sk, trust, int(tokenizer.pad_token_id))
     raw = _on_ray(*args, bool(job and job.train.use_gpu), work_dir) if _ray_running() else _in_process(*args)
     from .features.stage import finish_features
@@ -143,14 +147,24 @@ def _sketch_settings(cfg) -> tuple[SketchConfig, JobConfig | None]:
     return sk, job
 
 
-def _sketch_model(sk: SketchConfig, model_path: str) -> str:
+def _model_cache(job: JobConfig | None) -> Path:
+    """Where a ``demo`` conversion or a hub download goes for the library API: ``model.cache_dir`` as an
+    absolute or working-directory-relative folder, else this machine's cache (there is no run directory)."""
+    from .model import cache_dir
+
+    if job is not None and job.model.cache_dir:
+        return Path(job.model.cache_dir).expanduser().resolve()
+    return cache_dir() / "models"
+
+
+def _sketch_model(sk: SketchConfig, model_path: str, cache: Path) -> str:
     """The model the sketcher loads: the given one, or for ``embedding`` the encoder (as the feature stage)."""
     if sk.method != "embedding":
         return model_path
     from .features import embedding_model_dir
     from .model import resolve_model_path
 
-    return resolve_model_path(sk.model, "sketch.model") if sk.model else embedding_model_dir()
+    return resolve_model_path(sk.model, "sketch.model", cache=cache) if sk.model else embedding_model_dir()
 
 
 def _input_table(rows_or_table, tokenizer, data: DataConfig, method: str):
