@@ -26,6 +26,16 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
+from ._packs import (
+    _TAG_CUT,
+    _check_fits,
+    _csr,
+    bfd,
+    cluster_epoch,
+    packed_frame,
+    random_epoch_sched,
+    random_packs,
+)
 from ._slots import (
     _TAG_DROP,
     _TAG_ORDER,
@@ -87,8 +97,12 @@ def _validate(example_ids, clusters, n_tokens):
     return ids, cl, nt
 
 
-def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance):
+def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance, jitter=None):
     """Cut micro-batches for the ``cluster`` strategy and choose what to drop.
+
+    Inside each cluster the rows are sorted by length; with ``jitter`` (a generator: the re-cut of epochs
+    after the first) a row's place in that order moves by U(0, 2B) places before the cut, so consecutive
+    micro-batches trade rows of similar length and every epoch trains other micro-batches.
 
     Returns (micro-batches int64 (T, B) of row indices, the number of single-cluster micro-batches, which
     come first, dropped row indices sorted).
@@ -101,6 +115,8 @@ def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance):
     sizes = np.bincount(sc)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     rank_in = np.arange(n) - starts[sc]
+    if jitter is not None:
+        order = order[np.lexsort((rank_in + jitter.random(n) * 2 * mbs, sc))]
     full_len = (sizes // mbs) * mbs
     in_full = rank_in < full_len[sc]
     full_rows = order[in_full].reshape(-1, mbs)  # whole single-cluster micro-batches
@@ -136,6 +152,40 @@ def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance):
     mixed_rows = pool.reshape(-1, mbs)
     mbs = np.concatenate([full_rows, mixed_rows]).astype(np.int64)
     return mbs, full_rows.shape[0], np.sort(drop).astype(np.int64)
+
+
+def _cluster_cut(cl, nt, b, w, n_drop, seed, pad_tolerance, jitter=None):
+    """The ``cluster`` plan's micro-batches and slots for one epoch (see :func:`make_plan`).
+
+    Returns (slots int64 (n_slots, W) micro-batch ids, micro-batch rows int64 (T, B) shortest first, padded
+    cost int64 (T,), dropped row indices sorted). ``jitter`` (a generator) perturbs the length order inside
+    each cluster (see :func:`_cluster_microbatches`); ``None`` is the cut of epoch 0.
+    """
+    mb_rows, n_pure, drop = _cluster_microbatches(cl, nt, b, n_drop, seed, pad_tolerance, jitter)
+    # Positions inside a micro-batch: shortest first (already so for full ones; keep it explicit).
+    inner = np.argsort(nt[mb_rows], axis=1, kind="stable")
+    mb_rows = np.take_along_axis(mb_rows, inner, axis=1)
+    _, code = np.unique(cl, return_inverse=True)
+    keys = _majority(code[mb_rows])
+    costs = b * nt[mb_rows].max(axis=1)
+    # Two walks, and the better plan is kept (fewer collisions, then a shorter critical path): mixed
+    # micro-batches keyed by their majority (safe when clusters follow length, so that the mixed rows of a
+    # slot hold few clusters), or as wildcards re-cut per slot (better balance when they do not).
+    best = None
+    for wildcards in (False, True):
+        rows_v, keys_v, costs_v = mb_rows.copy(), keys.copy(), costs.copy()
+        walk_keys = keys_v.copy()
+        if wildcards:
+            walk_keys[n_pure:] = -1
+        slots_v = _form_slots(walk_keys, costs_v, w)  # (n_slots, W)
+        _distinct_mixed(slots_v, rows_v, keys_v, n_pure, code, nt, costs_v, b)
+        sk = np.sort(keys_v[slots_v], axis=1)
+        collisions = int((sk[:, 1:] == sk[:, :-1]).sum())
+        score = (collisions, int(costs_v[slots_v].max(axis=1).sum()), int(wildcards))
+        if best is None or score < best[0]:
+            best = (score, slots_v, rows_v, costs_v)
+    _, slots, mb_rows, costs = best
+    return slots, mb_rows, costs, drop
 
 
 def _rows_frame(mb_sched: np.ndarray, mb_rows: np.ndarray, ids, cl, nt, steps_per_epoch: int) -> pd.DataFrame:
@@ -204,6 +254,61 @@ def cluster_per_rank_plan(ids: np.ndarray, cl: np.ndarray, nt: np.ndarray, w: in
     return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(ids.size))
 
 
+def _packed_plan(ids, cl, nt, w: int, g: int, epochs: int, strategy: str, seed: int, tol: float,
+                 max_tokens) -> PlanResult:
+    """:func:`make_plan` with ``packing=True`` (see there). Every row is kept except under
+    ``cluster_per_rank``, whose ranks must hold the same number of packs of their own cluster."""
+    cap = _positive("max_tokens_per_micro_batch", max_tokens)
+    if strategy == "length":
+        raise ValueError("strategy 'length' with packing: packing already removes the padding that grouping by "
+                         "length avoids; use 'random' (the packed baseline) or 'cluster'")
+    _check_fits(ids, nt, cap)
+    n = ids.size
+    if n < w * g:
+        raise ValueError(f"{n} examples cannot fill one optimizer step of world_size={w} x grad_accum={g} packs: "
+                         f"some ranks would get no micro-batch")
+    _, code = np.unique(cl, return_inverse=True)
+    code = code.astype(np.int64)
+    drop = np.empty(0, dtype=np.int64)
+    if strategy == "cluster":
+        rows = np.arange(n)
+        parts = [cluster_epoch(code, nt, rows, w, g, cap, tol, seed + e) for e in range(epochs)]
+    elif strategy == "random":
+        prow, pptr = random_packs(code, nt, n, w, g, cap, seed)
+        parts = [(prow, pptr, random_epoch_sched(pptr.size - 1, w, g, seed, e)) for e in range(epochs)]
+    else:  # cluster_per_rank
+        labels = np.unique(cl)
+        if labels.size != w:
+            raise ValueError(f"cluster_per_rank needs exactly world_size={w} clusters (rank r trains cluster r), "
+                             f"got {labels.size}")
+        per_rank = []
+        for r in range(w):
+            members = np.flatnonzero(code == r)
+            rng = _rng(seed, _TAG_CUT, r)
+            order = members[np.lexsort((rng.random(members.size), -nt[members]))]
+            pack_of = bfd(nt[order], cap)
+            per_rank.append(_csr(pack_of, order, nt, int(pack_of.max()) + 1))
+        n_packs = (min(p.size - 1 for _, p in per_rank) // g) * g
+        if n_packs == 0:
+            raise ValueError(f"cluster_per_rank: the smallest cluster fills {min(p.size - 1 for _, p in per_rank)} "
+                             f"packs, fewer than one optimizer step of grad_accum={g} on its rank")
+        flat, ptrs = [], [0]
+        for r, (prow, pptr) in enumerate(per_rank):
+            keep = np.sort(_rng(seed, _TAG_DROP, r).choice(pptr.size - 1, size=n_packs, replace=False))
+            for q in keep.tolist():
+                flat.append(prow[pptr[q]:pptr[q + 1]])
+                ptrs.append(ptrs[-1] + pptr[q + 1] - pptr[q])
+        prow_all = np.concatenate(flat)
+        pptr_all = np.asarray(ptrs, dtype=np.int64)
+        drop = np.sort(np.setdiff1d(np.arange(n), prow_all))
+        parts = []
+        for e in range(epochs):
+            own = np.stack([r * n_packs + _rng(seed, _TAG_ORDER, e, r).permutation(n_packs) for r in range(w)])
+            parts.append((prow_all, pptr_all, own.reshape(w, -1, g).transpose(1, 2, 0)))
+    plan = packed_frame(parts, ids, cl, nt)
+    return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(n))
+
+
 # Long for its docstring (about 55 lines: every strategy and rule); the body is the three strategies' dispatch
 # over helpers in _slots.py.
 def make_plan(
@@ -217,6 +322,8 @@ def make_plan(
     strategy: Literal["cluster", "random", "length", "cluster_per_rank"] = "cluster",
     seed: int = 0,
     pad_tolerance: float = 0.05,
+    packing: bool = False,
+    max_tokens_per_micro_batch: int | None = None,
 ) -> PlanResult:
     """Build the allocation plan.
 
@@ -278,6 +385,11 @@ def make_plan(
         raise ValueError(f"pad_tolerance must be in [0, 1], got {pad_tolerance!r}")
     ids, cl, nt = _validate(example_ids, clusters, n_tokens)
     n = ids.size
+    if packing:
+        return _packed_plan(ids, cl, nt, w, g, n_epochs, strategy, seed, float(pad_tolerance),
+                            max_tokens_per_micro_batch)
+    if max_tokens_per_micro_batch is not None:
+        raise ValueError("max_tokens_per_micro_batch sizes packs: it needs packing=True")
     unit = w * b * g
     if n < unit:
         raise ValueError(
@@ -315,35 +427,21 @@ def make_plan(
         mb_rows = np.concatenate(mb_rows_all)
         sched = np.stack(scheds)
     else:
-        mb_rows, n_pure, drop = _cluster_microbatches(cl, nt, b, n_drop, seed, float(pad_tolerance))
-        # Positions inside a micro-batch: shortest first (already so for full ones; keep it explicit).
-        inner = np.argsort(nt[mb_rows], axis=1, kind="stable")
-        mb_rows = np.take_along_axis(mb_rows, inner, axis=1)
-        _, code = np.unique(cl, return_inverse=True)
-        keys = _majority(code[mb_rows])
-        costs = b * nt[mb_rows].max(axis=1)
-        # Two walks, and the better plan is kept (fewer collisions, then a shorter critical path): mixed
-        # micro-batches keyed by their majority (safe when clusters follow length, so that the mixed rows of a
-        # slot hold few clusters), or as wildcards re-cut per slot (better balance when they do not).
-        best = None
-        for wildcards in (False, True):
-            rows_v, keys_v, costs_v = mb_rows.copy(), keys.copy(), costs.copy()
-            walk_keys = keys_v.copy()
-            if wildcards:
-                walk_keys[n_pure:] = -1
-            slots_v = _form_slots(walk_keys, costs_v, w)  # (n_slots, W)
-            _distinct_mixed(slots_v, rows_v, keys_v, n_pure, code, nt, costs_v, b)
-            sk = np.sort(keys_v[slots_v], axis=1)
-            collisions = int((sk[:, 1:] == sk[:, :-1]).sum())
-            score = (collisions, int(costs_v[slots_v].max(axis=1).sum()), int(wildcards))
-            if best is None or score < best[0]:
-                best = (score, slots_v, rows_v, costs_v)
-        _, slots, mb_rows, costs = best
-        scheds = []
+        # Epoch 0 is cut with the seed itself (so a one-epoch plan is what it always was); epoch e >= 1 re-cuts
+        # the same kept rows with seed + e and a length jitter, so micro-batch composition changes per epoch.
+        slots, mb_rows, costs, drop = _cluster_cut(cl, nt, b, w, n_drop, seed, float(pad_tolerance))
+        kept = np.setdiff1d(np.arange(n), drop)
+        rows_all, scheds = [], []
         for e in range(n_epochs):
+            if e > 0:
+                slots, rows_e, costs, _ = _cluster_cut(cl[kept], nt[kept], b, w, 0, seed + e,
+                                                       float(pad_tolerance), _rng(seed + e, _TAG_CUT))
+                mb_rows = kept[rows_e]
+            rows_all.append(mb_rows)
             order = _rng(seed, _TAG_ORDER, e).permutation(n_slots)
             step_slots = slots[order].reshape(steps_per_epoch, g, w)
-            scheds.append(_assign_ranks(step_slots, costs, _rng(seed, _TAG_RANKS, e)))
+            scheds.append(e * n_slots * w + _assign_ranks(step_slots, costs, _rng(seed, _TAG_RANKS, e)))
+        mb_rows = np.concatenate(rows_all)
         sched = np.stack(scheds)
 
     plan = _rows_frame(sched, mb_rows, ids, cl, nt, steps_per_epoch)
