@@ -26,7 +26,7 @@ def bfd(lengths, cap: int) -> np.ndarray:
     """Best-fit decreasing bin packing, in the order given.
 
     Each item goes into the open pack with the least room that still holds it; when none holds it, a new pack
-    opens. Packs of equal room are used first-opened first. This is TRL's ``pack_dataset(strategy="bfd")``
+    opens. Among packs of equal room, the one that came to that room first is used first. This is TRL's ``pack_dataset(strategy="bfd")``
     (a segment tree over rooms there, a sorted list of the distinct rooms here: at most ``cap`` of them, so an
     item costs one bisection). The caller sorts the items (descending length makes it best-fit *decreasing*).
 
@@ -119,39 +119,86 @@ def _cut_points(cs: np.ndarray, bnd: np.ndarray, parts: int, snap: float) -> np.
     return None if (np.diff(edges) <= 0).any() else edges
 
 
-def _light_packs(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, per_rank: int, cap: int,
-                 snap: float = 0.05):
-    """Cut rows into ``w * per_rank`` packs that fill steps of their own with few shared clusters.
+def _rank_groups(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, tol: float) -> list[np.ndarray]:
+    """Share rows among ``w`` ranks with nearly equal tokens, keeping each cluster's rows on one rank where the
+    balance allows.
 
-    The rows, cluster by cluster (longest first inside one), are cut into ``w`` consecutive runs of nearly
-    equal tokens, one per rank; a cut moves to the nearest cluster boundary when that is within ``snap`` x the
-    mean run, so only a cluster cut in the middle lands on two ranks. Each run is then cut into ``per_rank``
-    packs of nearly equal tokens (they go to the same rank, one per light micro-batch). None when a pack
-    would be empty or above ``cap``.
+    Each cluster's rows form a group; groups go whole, largest first, to the least loaded rank (LPT). Then,
+    while the heaviest rank is more than ``tol`` above the mean or the lightest more than ``tol`` below, the
+    heaviest hands the lightest its largest group that narrows the gap, or, when none does, the shortest rows
+    of its smallest group, as many as close the gap (that cluster then sits on two ranks).
 
     Returns:
-        int64 (len(rows),) pack index ``rank * per_rank + i``, or None.
+        ``w`` int64 arrays of rows, cluster by cluster and longest first inside each.
+    """
+    order = np.lexsort((-nt[rows], code[rows]))
+    srt = rows[order]
+    bounds = np.flatnonzero(np.diff(code[srt])) + 1
+    groups = [g for g in np.split(srt, bounds) if g.size]
+    tok = [int(nt[g].sum()) for g in groups]
+    mean = sum(tok) / w
+    bins: list[list[np.ndarray]] = [[] for _ in range(w)]
+    loads = np.zeros(w, dtype=np.int64)
+    for i in np.argsort([-t for t in tok], kind="stable").tolist():
+        b = int(np.argmin(loads))
+        bins[b].append(groups[i])
+        loads[b] += tok[i]
+    for _ in range(4 * w + len(groups)):
+        h, lo = int(np.argmax(loads)), int(np.argmin(loads))
+        if loads[h] <= mean * (1 + tol) and loads[lo] >= mean * (1 - tol):
+            break
+        gap = int(loads[h] - loads[lo])
+        sizes = [int(nt[g].sum()) for g in bins[h]]
+        movable = [j for j, t in enumerate(sizes) if t < gap]  # moving it narrows the gap
+        if movable:
+            j = max(movable, key=lambda jj: sizes[jj])
+            grp = bins[h].pop(j)
+        else:
+            j = int(np.argmin(sizes))
+            g = bins[h][j]
+            cum = np.cumsum(nt[g][::-1])  # shortest rows first
+            take = max(1, int(np.searchsorted(cum, gap // 2, side="right")))
+            if take >= g.size:
+                break
+            grp = g[g.size - take:]
+            bins[h][j] = g[: g.size - take]
+        bins[lo].append(grp)
+        moved = int(nt[grp].sum())
+        loads[h] -= moved
+        loads[lo] += moved
+    out = []
+    for b in bins:
+        cat = np.concatenate(b) if b else np.empty(0, dtype=np.int64)
+        out.append(cat[np.lexsort((-nt[cat], code[cat]))] if cat.size else cat)
+    return out
+
+
+def _light_packs(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, per_rank: int, cap: int,
+                 tol: float = 0.1):
+    """Cut rows into ``w * per_rank`` packs that fill steps of their own with few shared clusters.
+
+    The rows are shared among the ranks by :func:`_rank_groups` (tokens within ``tol`` of the mean, each
+    cluster on one rank where possible); each rank's rows are then cut into ``per_rank`` packs of nearly equal
+    tokens (they go to that rank, one per light micro-batch). None when a pack would be empty or above ``cap``.
+
+    Returns:
+        int64 (len(rows),) pack index ``rank * per_rank + i`` aligned with ``rows``, or None.
     """
     m = w * per_rank
     if rows.size < m:
         return None
-    order = np.lexsort((-nt[rows], code[rows]))
-    tok = nt[rows[order]]
-    cs = np.cumsum(tok)
-    bnd = np.flatnonzero(np.diff(code[rows[order]])) + 1  # cut before these positions: cluster boundaries
-    edges = _cut_points(cs, bnd, w, snap)
-    if edges is None:
-        return None
+    pos = {int(r): i for i, r in enumerate(rows.tolist())}
     out = np.empty(rows.size, dtype=np.int64)
-    for r in range(w):
-        a, b = int(edges[r]), int(edges[r + 1])
-        inner = _cut_points(np.cumsum(tok[a:b]), np.empty(0, dtype=np.int64), per_rank, 0.0)
+    for r, part in enumerate(_rank_groups(rows, code, nt, w, tol)):
+        if part.size < per_rank:
+            return None
+        inner = _cut_points(np.cumsum(nt[part]), np.empty(0, dtype=np.int64), per_rank, 0.0)
         if inner is None:
             return None
-        pid = r * per_rank + np.repeat(np.arange(per_rank), np.diff(inner))
-        if np.bincount(pid - r * per_rank, weights=tok[a:b], minlength=per_rank).max() > cap:
+        pid = np.repeat(np.arange(per_rank), np.diff(inner))
+        if np.bincount(pid, weights=nt[part], minlength=per_rank).max() > cap:
             return None
-        out[order[a:b]] = pid
+        out[[pos[int(x)] for x in part.tolist()]] = r * per_rank + pid
     return out
 
 
@@ -191,7 +238,7 @@ def _even_count(rows, ptr, code, nt, cap: int, w: int, g: int, prefer_mixed: boo
         nth = np.empty(p, dtype=np.int64)
         nth[by_fill] = np.arange(p) - np.maximum.accumulate(np.where(new_run, np.arange(p), 0))
         pick_order = np.lexsort((np.arange(p), tokens, nth, key >= 0))
-        j0 = max(1, -(-(int((key < 0).sum()) + x) // unit))  # enough to take every mixed pack
+        j0 = max(1, (int((key < 0).sum()) + x) // unit)  # as many as the mixed packs allow (small groups)
     else:
         pick_order = np.lexsort((np.arange(p), tokens))  # the least full
         j0 = 1
