@@ -286,11 +286,6 @@ def select(
     total = sizes_n[0]
     k = int(lab.max()) + 1 if lab is not None and lab.size else 0
 
-    if strategy == "full":
-        idx = np.arange(total, dtype=np.int64)
-        quotas = np.bincount(lab, minlength=k).astype(np.int64) if lab is not None else None
-        return SelectionResult(idx, np.full(total, "full"), quotas)
-
     nt = None
     if budget_tokens is not None:
         if strategy not in ("balanced", "random"):
@@ -311,6 +306,10 @@ def select(
             idx = np.sort(perm[:_prefix_within(nt[perm], budget_tokens)]).astype(np.int64)
             quotas = np.bincount(lab[idx], minlength=k).astype(np.int64) if lab is not None else None
             return SelectionResult(idx, np.full(idx.size, "random"), quotas)
+    elif strategy == "full":
+        idx = np.arange(total, dtype=np.int64)
+        quotas = np.bincount(lab, minlength=k).astype(np.int64) if lab is not None else None
+        return SelectionResult(idx, np.full(total, "full"), quotas)
     elif strategy != "equalize":
         budget = _check_int("budget", budget)
         if budget > total:
@@ -359,7 +358,8 @@ def _select_tokens_within(x_c, d_c, nt_c: np.ndarray, quota_tokens: int, within,
 
     The methods pick a given count, so the count is found by a few calls: start at ``quota / mean tokens``,
     and while the picks' tokens fall short of the quota (and members remain) ask for as many more as the
-    shortfall / mean tokens (at least one), up to 8 calls; then keep the prefix that fits.
+    shortfall / mean tokens (at least one), up to 8 calls and at most n - 1 members; then keep the prefix that
+    fits.
 
     Returns (local indices int64 in pick order, reasons list[str]).
     """
@@ -368,13 +368,15 @@ def _select_tokens_within(x_c, d_c, nt_c: np.ndarray, quota_tokens: int, within,
     if quota_tokens >= total:
         return np.arange(n, dtype=np.int64), ["whole-cluster"] * n
     mean = total / n
-    m = min(n, max(1, int(quota_tokens // mean)))
+    # At most n - 1 picks: asked for all n, the methods return the members in index order, not pick order; and
+    # n - 1 picks always suffice (all n exceed the quota).
+    m = min(n - 1, max(1, int(quota_tokens // mean)))
     for _ in range(8):
         loc, reasons = select_within(x_c, d_c, m, within, dedup_threshold, seed)
         got = int(nt_c[loc].sum())
-        if got >= quota_tokens or m == n:
+        if got >= quota_tokens or m == n - 1:
             break
-        m = min(n, m + max(1, int((quota_tokens - got) // mean)))
+        m = min(n - 1, m + max(1, int((quota_tokens - got) // mean)))
     keep = _prefix_within(nt_c[loc], quota_tokens)
     return loc[:keep], list(reasons[:keep])
 

@@ -101,8 +101,9 @@ def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance, jitter=None)
     """Cut micro-batches for the ``cluster`` strategy and choose what to drop.
 
     Inside each cluster the rows are sorted by length; with ``jitter`` (a generator: the re-cut of epochs
-    after the first) a row's place in that order moves by U(0, 2B) places before the cut, so consecutive
-    micro-batches trade rows of similar length and every epoch trains other micro-batches.
+    after the first) a row's place in that order moves by U(0, 2B) places before the cut, and likewise in the
+    pooled rows of the mixed micro-batches, so consecutive micro-batches trade rows of similar length and every
+    epoch trains other micro-batches.
 
     Returns (micro-batches int64 (T, B) of row indices, the number of single-cluster micro-batches, which
     come first, dropped row indices sorted).
@@ -149,6 +150,8 @@ def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance, jitter=None)
     pool = np.concatenate([pool, full_rows[loose].ravel()])
     full_rows = full_rows[~loose]
     pool = pool[np.lexsort((pool, nt[pool]))]  # mixed micro-batches, also by length
+    if jitter is not None:  # the same perturbation of the length order as inside the clusters
+        pool = pool[np.argsort(np.arange(pool.size) + jitter.random(pool.size) * 2 * mbs, kind="stable")]
     mixed_rows = pool.reshape(-1, mbs)
     mbs = np.concatenate([full_rows, mixed_rows]).astype(np.int64)
     return mbs, full_rows.shape[0], np.sort(drop).astype(np.int64)
