@@ -227,11 +227,11 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
         own = next((m for name, m in pm.items() if not name.startswith("random")), {}) if pm else {}
         bound, bound_ratio = own.get("critical_path_bound_tokens"), own.get("critical_path_vs_bound")
         lines += ["## Allocation per step: plan vs random baseline", "",
-                  f"Same-cluster collisions per step, every row counted: "
-                  f"{float(figs['plan']['collisions_rows'].mean()):.3f} (plan) vs "
-                  f"{float(figs['random baseline']['collisions_rows'].mean()):.3f} (random); by each micro-batch's "
-                  f"majority: {float(figs['plan']['collisions'].mean()):.3f} vs "
-                  f"{float(figs['random baseline']['collisions'].mean()):.3f}.", "",
+                  (f"Same-cluster collisions per step, every row counted: "
+                   f"{float(figs['plan']['collisions_rows'].mean()):.3f} (plan) vs "
+                   f"{float(figs['random baseline']['collisions_rows'].mean()):.3f} (random); by each "
+                   f"micro-batch's majority: {float(figs['plan']['collisions'].mean()):.3f} vs "
+                   f"{float(figs['random baseline']['collisions'].mean()):.3f}."), "",
                   f"Critical path of the plan: {ratio:.3f}x the random baseline's"
                   + (f"; {bound_ratio:.3f}x the lower bound for any plan of these examples "
                      f"({bound:,.0f} tokens)." if bound else "."), "",

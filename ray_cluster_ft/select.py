@@ -343,7 +343,7 @@ def token_budget_count(budget_tokens: float, total_tokens: int) -> int:
     """The tokens a ``selection.budget_tokens`` asks for: ``round(fraction * total)`` for a fraction in (0, 1],
     else the count (at least 1)."""
     if budget_tokens <= 1:
-        return max(1, int(round(float(budget_tokens) * int(total_tokens))))
+        return max(1, round(float(budget_tokens) * int(total_tokens)))
     return int(budget_tokens)
 
 

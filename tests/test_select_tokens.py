@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_cluster_ft.select import select, select_with_config, token_budget_count, water_fill_quotas
+from ray_cluster_ft.select import (
+    select,
+    select_with_config,
+    token_budget_count,
+    water_fill_quotas,
+)
 
 
 def test_water_filling_in_tokens_known_values():
@@ -54,7 +59,7 @@ def test_balanced_token_budget_with_kcenter_stays_within_each_quota():
 
 
 def test_random_token_budget_is_a_seeded_prefix():
-    labels, nt, dist = _clusters()
+    labels, nt, _ = _clusters()
     perm = np.random.default_rng(4).permutation(nt.size)
     cum = np.cumsum(nt[perm])
     want = np.sort(perm[: int(np.searchsorted(cum, 450, side="right"))])
@@ -64,7 +69,7 @@ def test_random_token_budget_is_a_seeded_prefix():
 
 
 def test_token_budget_errors():
-    labels, nt, dist = _clusters()
+    labels, nt, _ = _clusters()
     with pytest.raises(ValueError, match="above the 1000 tokens"):
         select("random", None, labels, None, n_tokens=nt, budget_tokens=1001)
     with pytest.raises(ValueError, match="needs n_tokens"):
@@ -80,7 +85,7 @@ def test_token_budget_errors():
 def test_select_with_config_token_fraction():
     from ray_cluster_ft.config import JobConfig
 
-    labels, nt, dist = _clusters()
+    nt = _clusters()[1]
     cfg = JobConfig.model_validate({"data": {"source": "demo"}, "selection": {"strategy": "random",
                                                                               "budget_tokens": 0.45}})
     st = select_with_config(cfg, n_candidates=nt.size, n_tokens=nt)
