@@ -13,7 +13,9 @@ yields rows.
 Hard rules (violating them hangs the collective ops of data-parallel training): every rank has the same number
 of micro-batches, every micro-batch is full, every step has ``grad_accum`` micro-batches on every rank, and
 each kept example appears exactly once per epoch. Hence only the largest multiple of
-``world_size * micro_batch_size * grad_accum`` examples is kept; the rest are reported as ``dropped``.
+``world_size * micro_batch_size * grad_accum`` examples is kept; the rest are reported as ``dropped``. A packed
+plan (``packing=True``) has the same schema: a micro-batch is a pack of whole examples within
+``max_tokens_per_micro_batch`` tokens, any number of rows; it drops nothing (``cluster_per_rank`` excepted).
 
 All functions are pure and deterministic for a given seed.
 """
@@ -340,9 +342,24 @@ def make_plan(
     wildcards whose rows are re-cut per slot into distinct majorities (:func:`_repartition`); repeats left in
     either are traded with nearby slots (:func:`_distinct_mixed`). The walk with fewer collisions, then the
     shorter critical path, is kept. On the issue's real lengths with random cluster labels this lands within
-    1% of :func:`plan_metrics`' ``critical_path_bound_tokens``. Every epoch,
+    1% of :func:`plan_metrics`' ``critical_path_bound_tokens``. Epoch 0 is cut with ``seed``; every later
+    epoch e re-cuts the same kept rows with seed + e and a jitter of the length order (U(0, 2B) places), so the
+    micro-batches themselves change between epochs, as under a shuffled sampler. Every epoch,
     the slot order is shuffled (seed, epoch) so clusters and lengths are spread over the epoch, consecutive
     ``grad_accum`` slots form a step, and each slot's micro-batches go to ranks by LPT on the step's load.
+
+    ``packing=True`` (``allocation.packing``): a micro-batch is a pack of whole examples holding at most
+    ``max_tokens_per_micro_batch`` tokens (``micro_batch_size`` is then unused; ``grad_accum`` packs per rank
+    per step; every rank the same number of packs; no row dropped, except by ``cluster_per_rank``). ``cluster``:
+    per epoch (seed + epoch) best-fit-decreasing packs inside each cluster, the packs emptier than
+    ``pad_tolerance`` re-packed together as mixed packs, the count made a multiple of W x G by re-cutting a few
+    mixed or least full packs into lighter ones that fill steps of their own, G packs of a cluster per rank-step,
+    W rank-steps of distinct clusters and similar tokens per step, then swaps that remove clusters present on two
+    ranks of a step counting every row (see :mod:`ray_cluster_ft.allocate._packs`). ``random`` (the packed
+    baseline, TRL ``SFTTrainer(packing=True)`` best-fit decreasing): the rows in a seeded order, sorted by length
+    (stable), packed once; each epoch the packs in a seeded order, rank r takes every W-th. ``cluster_per_rank``:
+    rank r packs cluster r once; every rank keeps the same number of its packs (a seeded choice; the rows of
+    the others are dropped), reshuffled per epoch. ``length`` is refused (packing already removes padding).
 
     ``random`` (the baseline, a shuffled ``DistributedSampler``): a seeded permutation per epoch, rank r takes
     every W-th example from position r, and cuts consecutive micro-batches.
@@ -367,14 +384,19 @@ def make_plan(
         strategy: ``cluster``, ``random``, ``length`` or ``cluster_per_rank``.
         seed: seed of every random choice (non-negative); epoch e uses streams derived from (seed, e).
         pad_tolerance: ``cluster`` only, in [0, 1]: largest padding fraction a single-cluster micro-batch
-            may keep; 1 keeps every one (pure clusters, more padding), 0 pools all that are not uniform.
+            may keep; 1 keeps every one (pure clusters, more padding), 0 pools all that are not uniform. With
+            packing: the largest empty share a single-cluster pack may keep.
+        packing: micro-batches are packs (see above).
+        max_tokens_per_micro_batch: tokens per pack at most (packing only; required with it).
 
     Returns:
         :class:`PlanResult`.
 
     Raises:
         ValueError: length mismatch, duplicate ids, non-integer or non-positive token counts, W/B/G/epochs
-            < 1, unknown strategy, negative seed, or ``N < W * B * G`` (some rank would get no micro-batch).
+            < 1, unknown strategy, negative seed, or ``N < W * B * G`` (some rank would get no micro-batch);
+            with packing: an example longer than ``max_tokens_per_micro_batch`` (named), ``length``, ``N < W * G``;
+            ``max_tokens_per_micro_batch`` without packing.
     """
     w = _positive("world_size", world_size)
     b = _positive("micro_batch_size", micro_batch_size)
