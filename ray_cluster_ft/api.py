@@ -305,12 +305,13 @@ def select_and_plan(features, n_tokens, cfg: JobConfig, *, example_ids=None) -> 
         res, table = cluster_with_config(cfg, ids, x)
         clusters, labels, dist = table.to_pandas(), res.labels, res.dist
     sel = select_with_config(cfg, n_candidates=len(ids), sketches=x if labels is not None else None,
-                             labels=labels, dist=dist).result
+                             labels=labels, dist=dist, n_tokens=tok).result
     plan, selection = _allocate(cfg, ids, labels if labels is not None else np.zeros(len(ids), dtype=np.int64),
                                 tok, sel)
     from .allocate import plan_metrics
 
-    return Plan(clusters, selection, plan, plan_metrics(plan, cfg.train.num_workers))
+    return Plan(clusters, selection, plan, plan_metrics(plan, cfg.train.num_workers,
+                                                        cfg.train.max_tokens_per_micro_batch))
 
 
 def _plan_inputs(features, n_tokens, example_ids) -> tuple:

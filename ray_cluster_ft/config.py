@@ -267,6 +267,13 @@ class SelectionConfig(_Section):
             raise ValueError("a fraction must be in (0, 1], a count must be whole")
         return v
 
+    @model_validator(mode="after")
+    def _budget_tokens_strategy(self) -> "SelectionConfig":
+        if self.budget_tokens is not None and self.strategy not in ("balanced", "random"):
+            raise ValueError(f"selection.budget_tokens applies to 'balanced' and 'random', not {self.strategy!r} "
+                             f"('full' takes every row, 'equalize' sizes clusters by selection.ratio)")
+        return self
+
     @field_validator("ratio", mode="before")
     @classmethod
     def _ratio_not_bool(cls, v: Any) -> Any:
@@ -306,6 +313,13 @@ class AllocationConfig(_Section):
     packing: bool = Field(
         False, description="a micro-batch is a pack: whole examples concatenated up to "
                            "train.max_tokens_per_micro_batch tokens, position_ids restarting per example, no padding")
+
+    @model_validator(mode="after")
+    def _length_is_not_packed(self) -> "AllocationConfig":
+        if self.packing and self.strategy == "length":
+            raise ValueError("allocation.strategy 'length' with allocation.packing: packing already removes the "
+                             "padding that grouping by length avoids; use 'random' (the packed baseline) or 'cluster'")
+        return self
 
 
 class LoraConfig(_Section):

@@ -70,7 +70,9 @@ def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, dat
 
     Counts add up: ``read = accepted + rejected``, ``accepted = selected + not_selected``, and
     ``not_selected`` splits into held out, below the budget and dropped for an even plan;
-    ``features_computed + features_reused`` is the rows featurised (:func:`feature_counts`).
+    ``features_computed + features_reused`` is the rows featurised (:func:`feature_counts`). ``tokens_candidates``
+    / ``tokens_selected`` (the planned rows' tokens, each row once) and their share; ``budget.tokens_requested``
+    is the token budget (``selection.budget_tokens``; None when the budget counts rows).
 
     Args:
         data: the data stage's :class:`~ray_cluster_ft.data.DataStage`.
@@ -95,6 +97,8 @@ def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, dat
     n_sel = int(allocation.plan["example_id"].nunique())
     dropped = len(allocation.result.dropped)
     requested = int(selection.requested)
+    tokens_candidates = int(np.asarray(d.train.column("n_tokens").to_numpy(), dtype=np.int64).sum())
+    tokens_selected = int(allocation.plan.drop_duplicates("example_id")["n_tokens"].sum())
     manifest.update(
         counts={
             "read": d.n_read,
@@ -107,11 +111,15 @@ def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, dat
             "not_selected_breakdown": {"held_out": n_eval, "below_budget": n_train - requested,
                                        "dropped_for_even_plan": dropped},
             "trained": check["distinct_trained"],
+            "tokens_candidates": tokens_candidates,
+            "tokens_selected": tokens_selected,
+            "tokens_selected_share": tokens_selected / tokens_candidates if tokens_candidates else 0.0,
             "truncated": d.truncated,
             "rejected_by_reason": data.reasons,
             **feature_counts(manifest.get("sketch")),
         },
-        budget={"requested": requested, "planned": n_sel, "rounded_down_by": dropped},
+        budget={"requested": requested, "planned": n_sel, "rounded_down_by": dropped,
+                "tokens_requested": getattr(selection, "tokens_requested", None)},
         checks=check,
         eval={"before": scores.get("before") or {}, "after": scores.get("after") or {}},
         eval_files=_eval_files(data, scores),

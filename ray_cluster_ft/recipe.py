@@ -85,7 +85,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
                                                               resume=resume, features=feats.summary)
             labels, dist = cres.labels, cres.dist
         with timer.stage("select"):
-            sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist)
+            sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist,
+                             n_tokens=n_tokens)
         with timer.stage("allocate"):
             alloc = allocate.run(cfg, run_dir, example_ids=ids,
                                  labels=labels if clustered else np.zeros(len(ids), dtype=np.int64),

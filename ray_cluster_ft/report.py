@@ -28,25 +28,31 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
-def _padded_load(plan: pd.DataFrame) -> pd.DataFrame:
-    """Padded tokens per (step, rank): rows x longest sequence, summed over the step's micro-batches."""
-    mb = plan.groupby(["step", "rank", "micro_index"])["n_tokens"].agg(["max", "size"])
-    mb["padded"] = mb["max"] * mb["size"]
+def _padded_load(plan: pd.DataFrame, packed: bool = False) -> pd.DataFrame:
+    """Padded tokens per (step, rank): rows x longest sequence, summed over the step's micro-batches (a packed
+    plan: real tokens, a pack has no padding)."""
+    mb = plan.groupby(["step", "rank", "micro_index"])["n_tokens"].agg(["max", "size", "sum"])
+    mb["padded"] = mb["sum"] if packed else mb["max"] * mb["size"]
     return mb["padded"].groupby(["step", "rank"]).sum().unstack("rank")
 
 
-def _step_figures(plan: pd.DataFrame) -> dict:
+def _step_figures(plan: pd.DataFrame, packed: bool = False) -> dict:
     """Per-step series of one plan (index: optimizer step).
 
-    Returns a dict with ``imbalance`` (max / mean over ranks of the rank's padded tokens in the step),
-    ``collisions`` (sum over micro_index of ranks - distinct majority clusters among the ranks'
-    micro-batches; the majority rule of :func:`ray_cluster_ft.allocate.plan_metrics`), and the scalars
-    ``padding`` (pad / padded tokens) and ``critical_path`` (sum over steps of the slowest rank's padded tokens).
+    Returns a dict with ``imbalance`` (max / mean over ranks of the rank's padded tokens in the step; real
+    tokens when ``packed``), ``collisions`` (sum over micro_index of ranks - distinct majority clusters among
+    the ranks' micro-batches; the majority rule of :func:`ray_cluster_ft.allocate.plan_metrics`),
+    ``collisions_rows`` (every row counted: sum over clusters of the ranks holding it in the step - 1, as
+    ``plan_metrics``' ``collisions_per_step_rows``), and the scalars ``padding`` (pad / padded tokens) and
+    ``critical_path`` (sum over steps of the slowest rank's padded tokens).
     """
     from .allocate import microbatch_table
+    from .allocate.metrics import _row_collisions
 
     w = int(plan["rank"].nunique())
     mb = microbatch_table(plan)
+    if packed:
+        mb["padded"] = mb["real"]
     load = mb.groupby(["step", "rank"], sort=True)["padded"].sum().groupby(level="step")
     step_max = load.max()
     imbalance = step_max / (load.sum() / w)
@@ -55,17 +61,19 @@ def _step_figures(plan: pd.DataFrame) -> dict:
     return {
         "imbalance": imbalance,
         "collisions": collisions,
+        "collisions_rows": _row_collisions(plan).reindex(step_max.index, fill_value=0),
         "padding": float(1.0 - mb["real"].sum() / mb["padded"].sum()),
         "critical_path": float(step_max.sum()),
     }
 
 
-def _allocation_figure(path: Path, plan: pd.DataFrame, baseline_plan: pd.DataFrame) -> dict:
+def _allocation_figure(path: Path, plan: pd.DataFrame, baseline_plan: pd.DataFrame, packed: bool = False) -> dict:
     """``allocation.png``: the plan beside the random baseline. Panels: per-step token max/mean across ranks,
-    same-cluster collisions per step, padding fraction, critical-path tokens. Returns both plans' figures."""
+    same-cluster collisions per step (solid: every row counted; dotted: by majority), padding fraction,
+    critical-path tokens. Returns both plans' figures."""
     import matplotlib.pyplot as plt
 
-    figs = {"plan": _step_figures(plan), "random baseline": _step_figures(baseline_plan)}
+    figs = {"plan": _step_figures(plan, packed), "random baseline": _step_figures(baseline_plan, packed)}
     colours = {"plan": "#1f77b4", "random baseline": "#d62728"}
     fig, axes = plt.subplots(2, 2, figsize=(11, 6))
     ax = axes[0, 0]
@@ -77,8 +85,10 @@ def _allocation_figure(path: Path, plan: pd.DataFrame, baseline_plan: pd.DataFra
     ax.legend(fontsize=8)
     ax = axes[0, 1]
     for name, f in figs.items():
-        ax.plot(f["collisions"].index, f["collisions"].to_numpy(), marker=".", lw=1, color=colours[name],
-                label=name)
+        ax.plot(f["collisions_rows"].index, f["collisions_rows"].to_numpy(), marker=".", lw=1,
+                color=colours[name], label=f"{name} (per row)")
+        ax.plot(f["collisions"].index, f["collisions"].to_numpy(), lw=1, ls=":", color=colours[name],
+                label=f"{name} (majority)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("same-cluster collisions")
     ax.legend(fontsize=8)
@@ -223,24 +233,31 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
         plt.close(fig)
         lines += ["## Clusters and per-cluster selection", "", "![clusters](clusters.png)", ""]
 
-    load = _padded_load(plan)
+    packed = any("pack_fill" in m for m in pm.values()) if pm else False
+    load = _padded_load(plan, packed)
     fig, ax = plt.subplots(figsize=(8, 3))
     for r in load.columns:
         ax.plot(load.index, load[r], marker=".", lw=1, label=f"rank {r}")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("padded tokens")
+    ax.set_ylabel("tokens (packed)" if packed else "padded tokens")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(run_dir / "load.png", dpi=100)
     plt.close(fig)
-    lines += ["## Per-rank token load per step (padded tokens)", "", "![load](load.png)", ""]
+    lines += [f"## Per-rank token load per step ({'tokens, packed' if packed else 'padded tokens'})", "",
+              "![load](load.png)", ""]
 
     if baseline_plan is not None and len(baseline_plan) and "cluster" in plan.columns:
-        figs = _allocation_figure(run_dir / "allocation.png", plan, baseline_plan)
+        figs = _allocation_figure(run_dir / "allocation.png", plan, baseline_plan, packed)
         ratio = figs["plan"]["critical_path"] / figs["random baseline"]["critical_path"]
         own = next((m for name, m in pm.items() if not name.startswith("random")), {}) if pm else {}
         bound, bound_ratio = own.get("critical_path_bound_tokens"), own.get("critical_path_vs_bound")
         lines += ["## Allocation per step: plan vs random baseline", "",
+                  (f"Same-cluster collisions per step, every row counted: "
+                   f"{float(figs['plan']['collisions_rows'].mean()):.3f} (plan) vs "
+                   f"{float(figs['random baseline']['collisions_rows'].mean()):.3f} (random); by each "
+                   f"micro-batch's majority: {float(figs['plan']['collisions'].mean()):.3f} vs "
+                   f"{float(figs['random baseline']['collisions'].mean()):.3f}."), "",
                   f"Critical path of the plan: {ratio:.3f}x the random baseline's"
                   + (f"; {bound_ratio:.3f}x the lower bound for any plan of these examples "
                      f"({bound:,.0f} tokens)." if bound else "."), "",

@@ -38,6 +38,7 @@ __all__ = [
     "run",
     "SelectionResult",
     "water_fill_quotas",
+    "token_budget_count",
     "select_within",
     "select",
     "equalize_count",
@@ -58,12 +59,15 @@ class SelectionResult:
         quotas: int64 (k,) per cluster: the water-filled quotas for ``balanced``; the common count m for
             ``equalize``; for ``random`` and ``full``
             the per-cluster counts that resulted (so reports can show them side by side); None when no
-            labels were given.
+            labels were given. With a token budget, the rows picked per cluster.
+        token_quotas: int64 (k,) per cluster, with a token budget and ``balanced``: the water-filled token
+            quotas (:func:`water_fill_quotas` over the clusters' token totals); otherwise None.
     """
 
     indices: np.ndarray
     reasons: np.ndarray
     quotas: Optional[np.ndarray]
+    token_quotas: Optional[np.ndarray] = None
 
 
 def water_fill_quotas(sizes, budget: int) -> np.ndarray:
@@ -222,6 +226,8 @@ def select(
     n: Optional[int] = None,
     ratio: float = 0.5,
     micro_batch_size: int = 1,
+    n_tokens=None,
+    budget_tokens: Optional[int] = None,
 ) -> SelectionResult:
     """The Select stage.
 
@@ -247,6 +253,13 @@ def select(
         n: number of rows when neither x nor labels is given (``random`` / ``full`` without sketches).
         ratio: ``equalize``: share of the smallest cluster, in (0, 1].
         micro_batch_size: ``equalize``: m is a multiple of it (``train.micro_batch_size``).
+        n_tokens: int (N,) tokens per row; needed with ``budget_tokens``.
+        budget_tokens: a budget in tokens instead of rows (``balanced``, ``random``; ``budget`` is then unused),
+            0 <= budget_tokens <= sum(n_tokens). ``balanced``: :func:`water_fill_quotas` over the clusters'
+            token totals gives each cluster a token quota; inside a cluster the members are taken in the
+            ``within`` pick order while their tokens fit the quota (see :func:`_select_tokens_within`).
+            ``random``: a seeded permutation of the rows, taken in order while the tokens fit the budget (the
+            longest prefix within it).
 
     Returns:
         :class:`SelectionResult` (indices sorted ascending, reasons aligned, per-cluster quotas).
@@ -273,12 +286,31 @@ def select(
     total = sizes_n[0]
     k = int(lab.max()) + 1 if lab is not None and lab.size else 0
 
-    if strategy == "full":
+    nt = None
+    if budget_tokens is not None:
+        if strategy not in ("balanced", "random"):
+            raise ValueError(f"budget_tokens applies to the 'balanced' and 'random' strategies, not {strategy!r}")
+        if n_tokens is None:
+            raise ValueError("budget_tokens needs n_tokens (tokens per row)")
+        nt = np.asarray(n_tokens)
+        if nt.shape != (total,) or (nt.size and not np.issubdtype(nt.dtype, np.integer)):
+            raise ValueError(f"n_tokens must be an integer array of shape ({total},), got {nt.shape} {nt.dtype}")
+        nt = nt.astype(np.int64)
+        if nt.size and nt.min() < 1:
+            raise ValueError(f"n_tokens must be >= 1, got {int(nt.min())}")
+        budget_tokens = _check_int("budget_tokens", budget_tokens)
+        if budget_tokens > int(nt.sum()):
+            raise ValueError(f"budget_tokens={budget_tokens} is above the {int(nt.sum())} tokens available")
+        if strategy == "random":
+            perm = np.random.default_rng(seed).permutation(total)
+            idx = np.sort(perm[:_prefix_within(nt[perm], budget_tokens)]).astype(np.int64)
+            quotas = np.bincount(lab[idx], minlength=k).astype(np.int64) if lab is not None else None
+            return SelectionResult(idx, np.full(idx.size, "random"), quotas)
+    elif strategy == "full":
         idx = np.arange(total, dtype=np.int64)
         quotas = np.bincount(lab, minlength=k).astype(np.int64) if lab is not None else None
         return SelectionResult(idx, np.full(total, "full"), quotas)
-
-    if strategy != "equalize":
+    elif strategy != "equalize":
         budget = _check_int("budget", budget)
         if budget > total:
             raise ValueError(f"budget={budget} is above the {total} rows available")
@@ -297,12 +329,59 @@ def select(
     sizes = np.bincount(lab, minlength=k)
     if strategy == "equalize":
         quotas = np.full(k, equalize_count(sizes, ratio, micro_batch_size), dtype=np.int64)
+    elif nt is not None:
+        token_totals = np.bincount(lab, weights=nt, minlength=k).astype(np.int64)
+        quotas = water_fill_quotas(token_totals, budget_tokens)
+        return _per_cluster(None if x is None else np.asarray(x), lab, d, quotas, within, dedup_threshold, seed,
+                            nt=nt)
     else:
         quotas = water_fill_quotas(sizes, budget)
     return _per_cluster(None if x is None else np.asarray(x), lab, d, quotas, within, dedup_threshold, seed)
 
 
-def _per_cluster(x, lab, d, quotas, within, dedup_threshold, seed) -> SelectionResult:
+def token_budget_count(budget_tokens: float, total_tokens: int) -> int:
+    """The tokens a ``selection.budget_tokens`` asks for: ``round(fraction * total)`` for a fraction in (0, 1],
+    else the count (at least 1)."""
+    if budget_tokens <= 1:
+        return max(1, round(float(budget_tokens) * int(total_tokens)))
+    return int(budget_tokens)
+
+
+def _prefix_within(tokens: np.ndarray, quota: int) -> int:
+    """Length of the longest prefix of ``tokens`` (in pick order) whose sum stays within ``quota``."""
+    return int(np.searchsorted(np.cumsum(tokens), quota, side="right"))
+
+
+def _select_tokens_within(x_c, d_c, nt_c: np.ndarray, quota_tokens: int, within, dedup_threshold, seed):
+    """:func:`select_within` under a token quota: the members in the method's pick order, as many as fit the
+    quota (the longest prefix whose tokens sum to at most ``quota_tokens``).
+
+    The methods pick a given count, so the count is found by a few calls: start at ``quota / mean tokens``,
+    and while the picks' tokens fall short of the quota (and members remain) ask for as many more as the
+    shortfall / mean tokens (at least one), up to 8 calls and at most n - 1 members; then keep the prefix that
+    fits.
+
+    Returns (local indices int64 in pick order, reasons list[str]).
+    """
+    n = nt_c.size
+    total = int(nt_c.sum())
+    if quota_tokens >= total:
+        return np.arange(n, dtype=np.int64), ["whole-cluster"] * n
+    mean = total / n
+    # At most n - 1 picks: asked for all n, the methods return the members in index order, not pick order; and
+    # n - 1 picks always suffice (all n exceed the quota).
+    m = min(n - 1, max(1, int(quota_tokens // mean)))
+    for _ in range(8):
+        loc, reasons = select_within(x_c, d_c, m, within, dedup_threshold, seed)
+        got = int(nt_c[loc].sum())
+        if got >= quota_tokens or m == n - 1:
+            break
+        m = min(n - 1, m + max(1, int((quota_tokens - got) // mean)))
+    keep = _prefix_within(nt_c[loc], quota_tokens)
+    return loc[:keep], list(reasons[:keep])
+
+
+def _per_cluster(x, lab, d, quotas, within, dedup_threshold, seed, nt=None) -> SelectionResult:
     """:func:`select_within` with each cluster's quota; indices sorted ascending."""
     sizes = np.bincount(lab, minlength=quotas.size)
     order = np.argsort(lab, kind="stable")
@@ -317,7 +396,11 @@ def _per_cluster(x, lab, d, quotas, within, dedup_threshold, seed) -> SelectionR
             members = order[starts[c] : starts[c + 1]]
             c_seed = int(np.random.SeedSequence([int(seed), int(c)]).generate_state(1)[0])
             x_c = None if x is None else x[members]
-            loc, reasons = select_within(x_c, d[members], int(quotas[c]), within, dedup_threshold, c_seed)
+            if nt is None:
+                loc, reasons = select_within(x_c, d[members], int(quotas[c]), within, dedup_threshold, c_seed)
+            else:  # quotas are tokens
+                loc, reasons = _select_tokens_within(x_c, d[members], nt[members], int(quotas[c]), within,
+                                                     dedup_threshold, c_seed)
             chosen.append(members[loc])
             why.extend(reasons)
     if not chosen:
@@ -325,19 +408,25 @@ def _per_cluster(x, lab, d, quotas, within, dedup_threshold, seed) -> SelectionR
     idx = np.concatenate(chosen).astype(np.int64)
     reasons_arr = np.asarray(why, dtype=str)
     srt = np.argsort(idx, kind="stable")
+    if nt is not None:
+        picked = np.bincount(lab[idx], minlength=quotas.size).astype(np.int64)
+        return SelectionResult(idx[srt], reasons_arr[srt], picked, quotas)
     return SelectionResult(idx[srt], reasons_arr[srt], quotas)
 
 
 @dataclass(frozen=True)
 class SelectionStage:
-    """The select stage's result: the rows asked for (the budget's count; K x m for ``equalize``) and the
-    :class:`SelectionResult` (indices into the candidates, reasons)."""
+    """The select stage's result: the rows asked for (the budget's count; K x m for ``equalize``; with
+    ``selection.budget_tokens`` the rows picked), the :class:`SelectionResult` (indices into the candidates,
+    reasons) and, with ``selection.budget_tokens``, the tokens asked for."""
 
     requested: int
     result: SelectionResult
+    tokens_requested: Optional[int] = None
 
 
-def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, dist=None) -> SelectionStage:
+def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, dist=None,
+        n_tokens=None) -> SelectionStage:
     """The select stage: ``selection.strategy`` over the candidates, at ``selection.budget`` (``balanced``,
     ``random``) or, for ``equalize``, K x m rows (m from ``selection.ratio`` and ``train.micro_batch_size``).
 
@@ -350,6 +439,7 @@ def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, di
         n_candidates: N.
         sketches, labels, dist: the features ``(N, d)``, clusters ``(N,)`` and distances ``(N,)``; ``None``
             when no clustering ran (``random`` and ``full`` need none).
+        n_tokens: int ``(N,)`` tokens per candidate; needed with ``selection.budget_tokens``.
 
     Returns:
         :class:`SelectionStage`; its ``requested`` is the budget's count, or K x m for ``equalize``.
@@ -357,10 +447,12 @@ def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, di
     Raises:
         ConfigError: ``equalize`` without clusters, or with m rounding down to 0.
     """
-    return select_with_config(cfg, n_candidates=n_candidates, sketches=sketches, labels=labels, dist=dist)
+    return select_with_config(cfg, n_candidates=n_candidates, sketches=sketches, labels=labels, dist=dist,
+                              n_tokens=n_tokens)
 
 
-def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, dist=None) -> SelectionStage:
+def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, dist=None,
+                       n_tokens=None) -> SelectionStage:
     """The whole of :func:`run` (which writes nothing) as a pure function of the job config, also called by
     :func:`ray_cluster_ft.select_and_plan`. Arguments, result and errors as :func:`run`."""
     from .config import budget_count
@@ -377,6 +469,14 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
         sketches = np.zeros((n_candidates, 1), dtype=np.float32)
         labels = np.zeros(n_candidates, dtype=np.int64)
         dist = np.zeros(n_candidates, dtype=np.float32)
+    if s.budget_tokens is not None and s.strategy in ("balanced", "random"):
+        if n_tokens is None:
+            raise ConfigError("selection.budget_tokens counts tokens: the select stage needs the candidates' "
+                              "n_tokens")
+        want = token_budget_count(s.budget_tokens, int(np.asarray(n_tokens, dtype=np.int64).sum()))
+        res = select(s.strategy, sketches, labels, dist, within=s.within, dedup_threshold=s.dedup_threshold,
+                     seed=s.seed, n_tokens=n_tokens, budget_tokens=want)
+        return SelectionStage(int(res.indices.size), res, want)
     requested = n_candidates if s.strategy == "full" else budget_count(s.budget, n_candidates)
     res = select(s.strategy, sketches, labels, dist, requested, within=s.within, dedup_threshold=s.dedup_threshold,
                  seed=s.seed)

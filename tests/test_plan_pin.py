@@ -2,6 +2,12 @@
 code is reorganised. The pinned hashes were taken from main at ``c56fe9a`` (before the package was split into
 stage packages); the restructured code wrote byte-identical files for both specs.
 
+The plan pins changed once since, on purpose (issue 20): both specs train 2 epochs, and the cluster plan now
+re-cuts its micro-batches every epoch after the first (seed + epoch), so the rows of epoch 1 differ; the rows
+of epoch 0 are unchanged (checked against the plans of ``fae9e79``), and so are clusters and selection. The new
+demo hash was derived without the model: the stored ``--plan-only`` artifacts of the demo spec (whose
+clusters, selection and plan matched the old pins) re-planned by the new code.
+
 A content hash (schema without metadata, then every column's values) rather than the file bytes: the bytes
 also carry the pyarrow version that wrote them.
 """
@@ -19,9 +25,10 @@ import yaml
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mixed_120.jsonl"
 
-# sha256 prefixes of content_hash() for the spec of files_spec() and for jobs/demo.yaml, at c56fe9a.
-FILES_PINNED = {"clusters": "41fee4bbe8ae827c", "selection": "1a34e7043a30bdb5", "plan": "50e7f9ce1fccf6f0"}
-DEMO_PINNED = {"clusters": "b19770f52c992e1e", "selection": "4ac23133e3963fe2", "plan": "d7d4e69b27c981fd"}
+# sha256 prefixes of content_hash() for the spec of files_spec() and for jobs/demo.yaml, at c56fe9a (plan: since
+# the per-epoch re-cut, see the module docstring).
+FILES_PINNED = {"clusters": "41fee4bbe8ae827c", "selection": "1a34e7043a30bdb5", "plan": "e726ebf7b1573206"}
+DEMO_PINNED = {"clusters": "b19770f52c992e1e", "selection": "4ac23133e3963fe2", "plan": "6257c2101aa9b983"}
 
 
 # The columns pinned: those the files had at c56fe9a (selection.parquet has since gained ``weight``).

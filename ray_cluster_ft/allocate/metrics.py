@@ -42,7 +42,14 @@ def _critical_path_bound(n_tokens: np.ndarray, w: int, b: int, g: int) -> float:
     return float(max(srt.sum() / w, b * srt[:: w * b * g].sum()))
 
 
-def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
+def _row_collisions(plan: pd.DataFrame) -> pd.Series:
+    """Per step: sum over clusters of (ranks holding a row of that cluster in the step - 1)."""
+    tri = plan[["step", "rank", "cluster"]].drop_duplicates()
+    ranks_per = tri.groupby(["step", "cluster"], sort=True).size()
+    return (ranks_per - 1).groupby(level="step").sum()
+
+
+def plan_metrics(plan: pd.DataFrame, world_size: int, max_tokens_per_micro_batch: int | None = None) -> dict:
     """Balance, padding and collision figures of a plan.
 
     - ``token_imbalance_mean`` / ``_max``: per step, the max over ranks / the mean over the ``world_size``
@@ -52,7 +59,14 @@ def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
     - ``critical_path_tokens``: sum over steps of the slowest rank's padded tokens (a proxy of wall time).
     - ``collisions_per_step``: mean over steps of the sum over micro-slots (micro_index) of ``world_size`` -
       the number of distinct majority clusters among the ranks' micro-batches (0 = stratified batches).
-    - ``single_cluster_fraction``: share of micro-batches whose rows all come from one cluster.
+    - ``collisions_per_step_rows``: the strict count, every row counted rather than each micro-batch's
+      majority: mean over steps of the sum over clusters of (the number of ranks holding a row of that
+      cluster in the step - 1). A cluster on two ranks of one step is one collision, whatever the
+      micro-batches' majorities are.
+    - ``single_cluster_fraction``: share of micro-batches (packs) whose rows all come from one cluster.
+    - ``pack_fill`` (packed plans only, ``max_tokens_per_micro_batch`` given): mean over packs of real tokens
+      / ``max_tokens_per_micro_batch``. For a packed plan the loads are real tokens (a pack has no padding),
+      ``padding_fraction`` is 0, and the bound is real tokens / W per epoch.
     - ``critical_path_bound_tokens``: a lower bound on ``critical_path_tokens`` for *any* plan of the same
       examples, W, B and G: per epoch, the larger of (real tokens / W) and B x the sum of every
       (W * B * G)-th length in descending order (the step holding the j-th such length has a micro-batch at
@@ -77,6 +91,10 @@ def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
     if plan.empty:
         raise ValueError("plan is empty")
     mb = microbatch_table(plan)
+    packed = max_tokens_per_micro_batch is not None
+    if packed:
+        cap = _positive("max_tokens_per_micro_batch", max_tokens_per_micro_batch)
+        mb["padded"] = mb["real"]
     load = mb.groupby(["step", "rank"], sort=True)["padded"].sum()
     per_step = load.groupby(level="step")
     step_max = per_step.max()
@@ -86,30 +104,40 @@ def plan_metrics(plan: pd.DataFrame, world_size: int) -> dict:
     coll = (w - distinct).groupby(level="step").sum()
     b = int(mb["rows"].max())
     g = int(mb["micro_index"].max()) + 1
-    if "epoch" in plan.columns:
+    if packed:
+        parts = plan.groupby("epoch") if "epoch" in plan.columns else [(0, plan)]
+        bound = float(sum(part["n_tokens"].sum() / w for _, part in parts))
+    elif "epoch" in plan.columns:
         epochs = plan.groupby("epoch")
         bound = float(sum(_critical_path_bound(part["n_tokens"].to_numpy(np.int64), w, b, g) for _, part in epochs))
     else:
         bound = _critical_path_bound(plan["n_tokens"].to_numpy(np.int64), w, b, g)
-    return {
+    row_coll = _row_collisions(plan).reindex(step_max.index, fill_value=0)
+    out = {
         "token_imbalance_mean": float(imb.mean()),
         "token_imbalance_max": float(imb.max()),
         "padding_fraction": float(1.0 - mb["real"].sum() / mb["padded"].sum()),
         "critical_path_tokens": float(step_max.sum()),
         "collisions_per_step": float(coll.mean()),
+        "collisions_per_step_rows": float(row_coll.mean()),
         "single_cluster_fraction": float((mb["n_clusters"] == 1).mean()),
         "critical_path_bound_tokens": bound,
         "critical_path_vs_bound": float(step_max.sum()) / bound,
         "steps": float(step_max.size),
         "micro_batches_per_rank": float(mb.groupby("rank").size().mean()),
     }
+    if packed:
+        out["pack_fill"] = float(mb["real"].mean() / cap)
+    return out
 
 
-def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_accum: int = 1) -> int:
+def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_accum: int = 1,
+               max_tokens_per_micro_batch: int | None = None) -> int:
     """Enforce the hard rules that keep data-parallel training from hanging.
 
     Checks: every rank 0..W-1 present and none outside; the same number of micro-batches on every rank; every
-    micro-batch has exactly ``micro_batch_size`` rows; every (rank, step) has micro_index 0..G-1; every step
+    micro-batch has exactly ``micro_batch_size`` rows (packed plans, ``max_tokens_per_micro_batch`` given:
+    instead, every pack holds at most that many tokens); every (rank, step) has micro_index 0..G-1; every step
     has all ranks; every step lies in one epoch and steps increase with epochs. The trainer runs this on the
     driver before any worker starts.
 
@@ -144,7 +172,19 @@ def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_
             f"uneven plan: rank {lo} has {int(per_rank[lo])} micro-batches, rank {hi} has {int(per_rank[hi])}; "
             f"uneven counts hang the collective ops of data-parallel training"
         )
-    bad = mb[mb != b]
+    if max_tokens_per_micro_batch is not None:
+        cap = _positive("max_tokens_per_micro_batch", max_tokens_per_micro_batch)
+        if "n_tokens" not in plan.columns:
+            raise ValueError("plan lacks columns ['n_tokens'] (a packed plan is checked in tokens)")
+        tok = plan.groupby(["rank", "step", "micro_index"], sort=True)["n_tokens"].sum()
+        over = tok[tok > cap]
+        if len(over):
+            (r, s, m), size = over.index[0], int(over.iloc[0])
+            raise ValueError(f"pack (rank {r}, step {s}, micro_index {m}) holds {size} tokens, above "
+                             f"max_tokens_per_micro_batch={cap}")
+        bad = mb.iloc[:0]
+    else:
+        bad = mb[mb != b]
     if len(bad):
         (r, s, m), size = bad.index[0], int(bad.iloc[0])
         raise ValueError(

@@ -13,7 +13,9 @@ yields rows.
 Hard rules (violating them hangs the collective ops of data-parallel training): every rank has the same number
 of micro-batches, every micro-batch is full, every step has ``grad_accum`` micro-batches on every rank, and
 each kept example appears exactly once per epoch. Hence only the largest multiple of
-``world_size * micro_batch_size * grad_accum`` examples is kept; the rest are reported as ``dropped``.
+``world_size * micro_batch_size * grad_accum`` examples is kept; the rest are reported as ``dropped``. A packed
+plan (``packing=True``) has the same schema: a micro-batch is a pack of whole examples within
+``max_tokens_per_micro_batch`` tokens, any number of rows; it drops nothing (``cluster_per_rank`` excepted).
 
 All functions are pure and deterministic for a given seed.
 """
@@ -26,6 +28,16 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
+from ._packs import (
+    _TAG_CUT,
+    _check_fits,
+    _csr,
+    bfd,
+    cluster_epoch,
+    packed_frame,
+    random_epoch_sched,
+    random_packs,
+)
 from ._slots import (
     _TAG_DROP,
     _TAG_ORDER,
@@ -87,8 +99,13 @@ def _validate(example_ids, clusters, n_tokens):
     return ids, cl, nt
 
 
-def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance):
+def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance, jitter=None):
     """Cut micro-batches for the ``cluster`` strategy and choose what to drop.
+
+    Inside each cluster the rows are sorted by length; with ``jitter`` (a generator: the re-cut of epochs
+    after the first) a row's place in that order moves by U(0, 2B) places before the cut, and likewise in the
+    pooled rows of the mixed micro-batches, so consecutive micro-batches trade rows of similar length and every
+    epoch trains other micro-batches.
 
     Returns (micro-batches int64 (T, B) of row indices, the number of single-cluster micro-batches, which
     come first, dropped row indices sorted).
@@ -101,6 +118,8 @@ def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance):
     sizes = np.bincount(sc)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     rank_in = np.arange(n) - starts[sc]
+    if jitter is not None:
+        order = order[np.lexsort((rank_in + jitter.random(n) * 2 * mbs, sc))]
     full_len = (sizes // mbs) * mbs
     in_full = rank_in < full_len[sc]
     full_rows = order[in_full].reshape(-1, mbs)  # whole single-cluster micro-batches
@@ -133,9 +152,45 @@ def _cluster_microbatches(cl, nt, mbs, n_drop, seed, pad_tolerance):
     pool = np.concatenate([pool, full_rows[loose].ravel()])
     full_rows = full_rows[~loose]
     pool = pool[np.lexsort((pool, nt[pool]))]  # mixed micro-batches, also by length
+    if jitter is not None:  # the same perturbation of the length order as inside the clusters
+        pool = pool[np.argsort(np.arange(pool.size) + jitter.random(pool.size) * 2 * mbs, kind="stable")]
     mixed_rows = pool.reshape(-1, mbs)
     mbs = np.concatenate([full_rows, mixed_rows]).astype(np.int64)
     return mbs, full_rows.shape[0], np.sort(drop).astype(np.int64)
+
+
+def _cluster_cut(cl, nt, b, w, n_drop, seed, pad_tolerance, jitter=None):
+    """The ``cluster`` plan's micro-batches and slots for one epoch (see :func:`make_plan`).
+
+    Returns (slots int64 (n_slots, W) micro-batch ids, micro-batch rows int64 (T, B) shortest first, padded
+    cost int64 (T,), dropped row indices sorted). ``jitter`` (a generator) perturbs the length order inside
+    each cluster (see :func:`_cluster_microbatches`); ``None`` is the cut of epoch 0.
+    """
+    mb_rows, n_pure, drop = _cluster_microbatches(cl, nt, b, n_drop, seed, pad_tolerance, jitter)
+    # Positions inside a micro-batch: shortest first (already so for full ones; keep it explicit).
+    inner = np.argsort(nt[mb_rows], axis=1, kind="stable")
+    mb_rows = np.take_along_axis(mb_rows, inner, axis=1)
+    _, code = np.unique(cl, return_inverse=True)
+    keys = _majority(code[mb_rows])
+    costs = b * nt[mb_rows].max(axis=1)
+    # Two walks, and the better plan is kept (fewer collisions, then a shorter critical path): mixed
+    # micro-batches keyed by their majority (safe when clusters follow length, so that the mixed rows of a
+    # slot hold few clusters), or as wildcards re-cut per slot (better balance when they do not).
+    best = None
+    for wildcards in (False, True):
+        rows_v, keys_v, costs_v = mb_rows.copy(), keys.copy(), costs.copy()
+        walk_keys = keys_v.copy()
+        if wildcards:
+            walk_keys[n_pure:] = -1
+        slots_v = _form_slots(walk_keys, costs_v, w)  # (n_slots, W)
+        _distinct_mixed(slots_v, rows_v, keys_v, n_pure, code, nt, costs_v, b)
+        sk = np.sort(keys_v[slots_v], axis=1)
+        collisions = int((sk[:, 1:] == sk[:, :-1]).sum())
+        score = (collisions, int(costs_v[slots_v].max(axis=1).sum()), int(wildcards))
+        if best is None or score < best[0]:
+            best = (score, slots_v, rows_v, costs_v)
+    _, slots, mb_rows, costs = best
+    return slots, mb_rows, costs, drop
 
 
 def _rows_frame(mb_sched: np.ndarray, mb_rows: np.ndarray, ids, cl, nt, steps_per_epoch: int) -> pd.DataFrame:
@@ -204,6 +259,61 @@ def cluster_per_rank_plan(ids: np.ndarray, cl: np.ndarray, nt: np.ndarray, w: in
     return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(ids.size))
 
 
+def _packed_plan(ids, cl, nt, w: int, g: int, epochs: int, strategy: str, seed: int, tol: float,
+                 max_tokens) -> PlanResult:
+    """:func:`make_plan` with ``packing=True`` (see there). Every row is kept except under
+    ``cluster_per_rank``, whose ranks must hold the same number of packs of their own cluster."""
+    cap = _positive("max_tokens_per_micro_batch", max_tokens)
+    if strategy == "length":
+        raise ValueError("strategy 'length' with packing: packing already removes the padding that grouping by "
+                         "length avoids; use 'random' (the packed baseline) or 'cluster'")
+    _check_fits(ids, nt, cap)
+    n = ids.size
+    if n < w * g:
+        raise ValueError(f"{n} examples cannot fill one optimizer step of world_size={w} x grad_accum={g} packs: "
+                         f"some ranks would get no micro-batch")
+    _, code = np.unique(cl, return_inverse=True)
+    code = code.astype(np.int64)
+    drop = np.empty(0, dtype=np.int64)
+    if strategy == "cluster":
+        rows = np.arange(n)
+        parts = [cluster_epoch(code, nt, rows, w, g, cap, tol, seed + e) for e in range(epochs)]
+    elif strategy == "random":
+        prow, pptr = random_packs(code, nt, n, w, g, cap, seed)
+        parts = [(prow, pptr, random_epoch_sched(pptr.size - 1, w, g, seed, e)) for e in range(epochs)]
+    else:  # cluster_per_rank
+        labels = np.unique(cl)
+        if labels.size != w:
+            raise ValueError(f"cluster_per_rank needs exactly world_size={w} clusters (rank r trains cluster r), "
+                             f"got {labels.size}")
+        per_rank = []
+        for r in range(w):
+            members = np.flatnonzero(code == r)
+            rng = _rng(seed, _TAG_CUT, r)
+            order = members[np.lexsort((rng.random(members.size), -nt[members]))]
+            pack_of = bfd(nt[order], cap)
+            per_rank.append(_csr(pack_of, order, nt, int(pack_of.max()) + 1))
+        n_packs = (min(p.size - 1 for _, p in per_rank) // g) * g
+        if n_packs == 0:
+            raise ValueError(f"cluster_per_rank: the smallest cluster fills {min(p.size - 1 for _, p in per_rank)} "
+                             f"packs, fewer than one optimizer step of grad_accum={g} on its rank")
+        flat, ptrs = [], [0]
+        for r, (prow, pptr) in enumerate(per_rank):
+            keep = np.sort(_rng(seed, _TAG_DROP, r).choice(pptr.size - 1, size=n_packs, replace=False))
+            for q in keep.tolist():
+                flat.append(prow[pptr[q]:pptr[q + 1]])
+                ptrs.append(ptrs[-1] + pptr[q + 1] - pptr[q])
+        prow_all = np.concatenate(flat)
+        pptr_all = np.asarray(ptrs, dtype=np.int64)
+        drop = np.sort(np.setdiff1d(np.arange(n), prow_all))
+        parts = []
+        for e in range(epochs):
+            own = np.stack([r * n_packs + _rng(seed, _TAG_ORDER, e, r).permutation(n_packs) for r in range(w)])
+            parts.append((prow_all, pptr_all, own.reshape(w, -1, g).transpose(1, 2, 0)))
+    plan = packed_frame(parts, ids, cl, nt)
+    return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(n))
+
+
 # Long for its docstring (about 55 lines: every strategy and rule); the body is the three strategies' dispatch
 # over helpers in _slots.py.
 def make_plan(
@@ -217,6 +327,8 @@ def make_plan(
     strategy: Literal["cluster", "random", "length", "cluster_per_rank"] = "cluster",
     seed: int = 0,
     pad_tolerance: float = 0.05,
+    packing: bool = False,
+    max_tokens_per_micro_batch: int | None = None,
 ) -> PlanResult:
     """Build the allocation plan.
 
@@ -230,9 +342,24 @@ def make_plan(
     wildcards whose rows are re-cut per slot into distinct majorities (:func:`_repartition`); repeats left in
     either are traded with nearby slots (:func:`_distinct_mixed`). The walk with fewer collisions, then the
     shorter critical path, is kept. On the issue's real lengths with random cluster labels this lands within
-    1% of :func:`plan_metrics`' ``critical_path_bound_tokens``. Every epoch,
+    1% of :func:`plan_metrics`' ``critical_path_bound_tokens``. Epoch 0 is cut with ``seed``; every later
+    epoch e re-cuts the same kept rows with seed + e and a jitter of the length order (U(0, 2B) places), so the
+    micro-batches themselves change between epochs, as under a shuffled sampler. Every epoch,
     the slot order is shuffled (seed, epoch) so clusters and lengths are spread over the epoch, consecutive
     ``grad_accum`` slots form a step, and each slot's micro-batches go to ranks by LPT on the step's load.
+
+    ``packing=True`` (``allocation.packing``): a micro-batch is a pack of whole examples holding at most
+    ``max_tokens_per_micro_batch`` tokens (``micro_batch_size`` is then unused; ``grad_accum`` packs per rank
+    per step; every rank the same number of packs; no row dropped, except by ``cluster_per_rank``). ``cluster``:
+    per epoch (seed + epoch) best-fit-decreasing packs inside each cluster, the packs emptier than
+    ``pad_tolerance`` re-packed together as mixed packs, the count made a multiple of W x G by re-cutting a few
+    mixed or least full packs into lighter ones that fill steps of their own, G packs of a cluster per rank-step,
+    W rank-steps of distinct clusters and similar tokens per step, then swaps that remove clusters present on two
+    ranks of a step counting every row (see :mod:`ray_cluster_ft.allocate._packs`). ``random`` (the packed
+    baseline, TRL ``SFTTrainer(packing=True)`` best-fit decreasing): the rows in a seeded order, sorted by length
+    (stable), packed once; each epoch the packs in a seeded order, rank r takes every W-th. ``cluster_per_rank``:
+    rank r packs cluster r once; every rank keeps the same number of its packs (a seeded choice; the rows of
+    the others are dropped), reshuffled per epoch. ``length`` is refused (packing already removes padding).
 
     ``random`` (the baseline, a shuffled ``DistributedSampler``): a seeded permutation per epoch, rank r takes
     every W-th example from position r, and cuts consecutive micro-batches.
@@ -257,14 +384,19 @@ def make_plan(
         strategy: ``cluster``, ``random``, ``length`` or ``cluster_per_rank``.
         seed: seed of every random choice (non-negative); epoch e uses streams derived from (seed, e).
         pad_tolerance: ``cluster`` only, in [0, 1]: largest padding fraction a single-cluster micro-batch
-            may keep; 1 keeps every one (pure clusters, more padding), 0 pools all that are not uniform.
+            may keep; 1 keeps every one (pure clusters, more padding), 0 pools all that are not uniform. With
+            packing: the largest empty share a single-cluster pack may keep.
+        packing: micro-batches are packs (see above).
+        max_tokens_per_micro_batch: tokens per pack at most (packing only; required with it).
 
     Returns:
         :class:`PlanResult`.
 
     Raises:
         ValueError: length mismatch, duplicate ids, non-integer or non-positive token counts, W/B/G/epochs
-            < 1, unknown strategy, negative seed, or ``N < W * B * G`` (some rank would get no micro-batch).
+            < 1, unknown strategy, negative seed, or ``N < W * B * G`` (some rank would get no micro-batch);
+            with packing: an example longer than ``max_tokens_per_micro_batch`` (named), ``length``, ``N < W * G``;
+            ``max_tokens_per_micro_batch`` without packing.
     """
     w = _positive("world_size", world_size)
     b = _positive("micro_batch_size", micro_batch_size)
@@ -278,6 +410,11 @@ def make_plan(
         raise ValueError(f"pad_tolerance must be in [0, 1], got {pad_tolerance!r}")
     ids, cl, nt = _validate(example_ids, clusters, n_tokens)
     n = ids.size
+    if packing:
+        return _packed_plan(ids, cl, nt, w, g, n_epochs, strategy, seed, float(pad_tolerance),
+                            max_tokens_per_micro_batch)
+    if max_tokens_per_micro_batch is not None:
+        raise ValueError("max_tokens_per_micro_batch sizes packs: it needs packing=True")
     unit = w * b * g
     if n < unit:
         raise ValueError(
@@ -315,35 +452,21 @@ def make_plan(
         mb_rows = np.concatenate(mb_rows_all)
         sched = np.stack(scheds)
     else:
-        mb_rows, n_pure, drop = _cluster_microbatches(cl, nt, b, n_drop, seed, float(pad_tolerance))
-        # Positions inside a micro-batch: shortest first (already so for full ones; keep it explicit).
-        inner = np.argsort(nt[mb_rows], axis=1, kind="stable")
-        mb_rows = np.take_along_axis(mb_rows, inner, axis=1)
-        _, code = np.unique(cl, return_inverse=True)
-        keys = _majority(code[mb_rows])
-        costs = b * nt[mb_rows].max(axis=1)
-        # Two walks, and the better plan is kept (fewer collisions, then a shorter critical path): mixed
-        # micro-batches keyed by their majority (safe when clusters follow length, so that the mixed rows of a
-        # slot hold few clusters), or as wildcards re-cut per slot (better balance when they do not).
-        best = None
-        for wildcards in (False, True):
-            rows_v, keys_v, costs_v = mb_rows.copy(), keys.copy(), costs.copy()
-            walk_keys = keys_v.copy()
-            if wildcards:
-                walk_keys[n_pure:] = -1
-            slots_v = _form_slots(walk_keys, costs_v, w)  # (n_slots, W)
-            _distinct_mixed(slots_v, rows_v, keys_v, n_pure, code, nt, costs_v, b)
-            sk = np.sort(keys_v[slots_v], axis=1)
-            collisions = int((sk[:, 1:] == sk[:, :-1]).sum())
-            score = (collisions, int(costs_v[slots_v].max(axis=1).sum()), int(wildcards))
-            if best is None or score < best[0]:
-                best = (score, slots_v, rows_v, costs_v)
-        _, slots, mb_rows, costs = best
-        scheds = []
+        # Epoch 0 is cut with the seed itself (so a one-epoch plan is what it always was); epoch e >= 1 re-cuts
+        # the same kept rows with seed + e and a length jitter, so micro-batch composition changes per epoch.
+        slots, mb_rows, costs, drop = _cluster_cut(cl, nt, b, w, n_drop, seed, float(pad_tolerance))
+        kept = np.setdiff1d(np.arange(n), drop)
+        rows_all, scheds = [], []
         for e in range(n_epochs):
+            if e > 0:
+                slots, rows_e, costs, _ = _cluster_cut(cl[kept], nt[kept], b, w, 0, seed + e,
+                                                       float(pad_tolerance), _rng(seed + e, _TAG_CUT))
+                mb_rows = kept[rows_e]
+            rows_all.append(mb_rows)
             order = _rng(seed, _TAG_ORDER, e).permutation(n_slots)
             step_slots = slots[order].reshape(steps_per_epoch, g, w)
-            scheds.append(_assign_ranks(step_slots, costs, _rng(seed, _TAG_RANKS, e)))
+            scheds.append(e * n_slots * w + _assign_ranks(step_slots, costs, _rng(seed, _TAG_RANKS, e)))
+        mb_rows = np.concatenate(rows_all)
         sched = np.stack(scheds)
 
     plan = _rows_frame(sched, mb_rows, ids, cl, nt, steps_per_epoch)

@@ -25,7 +25,8 @@ class AllocationStage:
     Attributes:
         plan: the plan frame (:data:`ray_cluster_ft.allocate.PLAN_COLUMNS`).
         result: :class:`PlanResult` (the plan, the ids dropped to make every rank's micro-batch count equal).
-        baseline: the ``random`` plan of the same selection (``None`` when the strategy is ``random``).
+        baseline: the ``random`` plan of the same selection (``None`` when the strategy is ``random``); with
+            ``allocation.packing`` the random *packed* plan (the conventional packing baseline).
         metrics: ``{strategy: plan_metrics, "random (baseline)": plan_metrics}``.
         weights: float64 per planned example, indexed by ``example_id``: the selection weight
             (:func:`ray_cluster_ft.select.selection_weights`, mean 1), also ``selection.parquet``'s ``weight``.
@@ -55,7 +56,8 @@ def plan_selection(cfg, example_ids: np.ndarray, labels: np.ndarray, n_tokens: n
     selected = np.asarray(selected)
     sel_ids, sel_labels = example_ids[selected], labels[selected]
     res = make_plan(sel_ids, sel_labels, n_tokens[selected], t.num_workers, t.micro_batch_size, t.grad_accum,
-                    t.epochs, strategy=strategy or a.strategy, seed=a.seed, pad_tolerance=a.pad_tolerance)
+                    t.epochs, strategy=strategy or a.strategy, seed=a.seed, pad_tolerance=a.pad_tolerance,
+                    packing=a.packing, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
     keep = np.isin(sel_ids, res.plan["example_id"].unique())
     weight = selection_weights(labels, selected[keep], cfg.selection.strategy)
     table = pa.table({"example_id": pa.array(sel_ids[keep].tolist(), type=pa.string()),
@@ -95,11 +97,12 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
                           f"data, the config or a package changed. Start a fresh run directory.")
     plan.to_parquet(claim(run_dir, "plan.parquet", "selection.parquet"), index=False)
     pq.write_table(selection, run_dir / "selection.parquet")
-    metrics = {cfg.allocation.strategy: plan_metrics(plan, W)}
+    cap = cfg.train.max_tokens_per_micro_batch if cfg.allocation.packing else None
+    metrics = {cfg.allocation.strategy: plan_metrics(plan, W, cap)}
     baseline = None
     if cfg.allocation.strategy != "random":
         baseline = plan_selection(cfg, example_ids, labels, n_tokens, selected, reasons, strategy="random")[0].plan
-        metrics["random (baseline)"] = plan_metrics(baseline, W)
+        metrics["random (baseline)"] = plan_metrics(baseline, W, cap)
     print(f"[ray-cluster-ft] plan: {json.dumps(metrics, default=float)}", flush=True)
     weights = pd.Series(selection.column("weight").to_numpy(), index=selection.column("example_id").to_pylist(),
                         dtype=np.float64)

@@ -1,0 +1,229 @@
+"""Packed plans (allocation.packing), per-row collisions, and the per-epoch re-cut of the cluster plan."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ray_cluster_ft.allocate import check_plan, make_plan, plan_metrics
+from ray_cluster_ft.allocate._packs import _even_count, _pack_stats, bfd
+
+
+def _bfd_reference(lengths, cap):
+    """Best-fit by brute force: the open pack with the least room that holds the item (among equals, the one
+    that came to that room first), else a new one."""
+    rooms, since, out = [], [], []
+    for t, x in enumerate(lengths):
+        fits = [(room, since[i], i) for i, room in enumerate(rooms) if room >= x]
+        if fits:
+            _, _, i = min(fits)
+        else:
+            rooms.append(cap)
+            since.append(0)
+            i = len(rooms) - 1
+        rooms[i] -= x
+        since[i] = t
+        out.append(i)
+    return out
+
+
+def test_bfd_known_answer_and_reference():
+    # 6 -> new 0 (room 1); 5 -> new 1 (room 2); 4 -> new 2 (room 3); 3 -> pack 2 (exact); 2 -> pack 1; 1 -> pack 0
+    assert bfd([6, 5, 4, 3, 2, 1], 7).tolist() == [0, 1, 2, 2, 1, 0]
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        cap = int(rng.integers(8, 64))
+        x = np.sort(rng.integers(1, cap + 1, int(rng.integers(1, 80))))[::-1]
+        assert bfd(x, cap).tolist() == _bfd_reference(x.tolist(), cap)
+        y = rng.integers(1, cap + 1, 50)  # any order, not only decreasing
+        assert bfd(y, cap).tolist() == _bfd_reference(y.tolist(), cap)
+    with pytest.raises(ValueError, match="exceeds the pack capacity"):
+        bfd([5, 9], 8)
+
+
+def _synthetic(n=3000, k=16, seed=0, cap_len=1024):
+    rng = np.random.default_rng(seed)
+    nt = np.clip(np.round(rng.lognormal(math.log(200.0), 0.6, n)), 8, cap_len).astype(np.int64)
+    return np.array([f"e{i:05d}" for i in range(n)]), rng.integers(0, k, n), nt
+
+
+@pytest.mark.parametrize("strategy", ["cluster", "random", "cluster_per_rank"])
+@pytest.mark.parametrize("g", [1, 3])
+def test_packed_plan_hard_rules(strategy, g):
+    ids, cl, nt = _synthetic(n=1500)
+    w, cap, epochs = 4, 2048, 2
+    if strategy == "cluster_per_rank":
+        cl = cl % w
+    res = make_plan(ids, cl, nt, w, 4, g, epochs, strategy=strategy, seed=3, packing=True,
+                    max_tokens_per_micro_batch=cap)
+    plan = res.plan
+    steps = check_plan(plan, w, 4, g, max_tokens_per_micro_batch=cap)  # packs in tokens, equal counts, all ranks
+    assert steps == plan["step"].nunique()
+    packs = plan.groupby(["step", "rank", "micro_index"])["n_tokens"].sum()
+    assert packs.max() <= cap
+    # every rank has the same number of packs, G per step
+    per = plan.groupby(["step", "rank"])["micro_index"].nunique()
+    assert (per == g).all()
+    # nothing lost: every kept row exactly once per epoch; only cluster_per_rank drops (to equal pack counts)
+    kept = set(ids) - set(res.dropped)
+    for e in range(epochs):
+        got = plan.loc[plan["epoch"] == e, "example_id"]
+        assert got.is_unique and set(got) == kept
+    if strategy != "cluster_per_rank":
+        assert len(res.dropped) == 0
+    else:
+        assert len(res.dropped) < 0.2 * ids.size
+        assert (plan.groupby("rank")["cluster"].nunique() == 1).all()
+    # inside a pack, shortest first (the iterator order)
+    assert plan.equals(plan.sort_values(["rank", "epoch", "step", "micro_index"], kind="stable")
+                       .reset_index(drop=True))
+    m = plan_metrics(plan, w, cap)
+    assert m["padding_fraction"] == 0.0 and 0 < m["pack_fill"] <= 1.0
+
+
+def test_packed_cluster_plan_goals_on_synthetic_lengths():
+    """The issue's plan goals where clusters are independent of length and k = 2W (lognormal lengths)."""
+    ids, cl, nt = _synthetic(n=6000, k=16)
+    w, cap = 8, 4096
+    mc = plan_metrics(make_plan(ids, cl, nt, w, 4, 1, 1, seed=0, packing=True, max_tokens_per_micro_batch=cap).plan,
+                      w, cap)
+    mr = plan_metrics(make_plan(ids, cl, nt, w, 4, 1, 1, strategy="random", seed=0, packing=True,
+                                max_tokens_per_micro_batch=cap).plan, w, cap)
+    assert mc["token_imbalance_mean"] <= 1.02
+    assert mc["pack_fill"] >= 0.95
+    assert mc["single_cluster_fraction"] >= 0.90
+    assert mc["collisions_per_step_rows"] <= 0.05
+    # the packed random baseline fills its packs as well, but mixes clusters on every rank
+    assert mr["pack_fill"] >= 0.95 and mr["collisions_per_step_rows"] > 5
+
+
+def test_random_packed_is_best_fit_decreasing_of_a_seeded_order():
+    """With W = G = 1 no re-cut is needed: the packs are exactly BFD over the seeded permutation sorted by
+    length, descending (stable), as TRL packs."""
+    ids, cl, nt = _synthetic(n=400)
+    res = make_plan(ids, cl, nt, 1, 4, 1, 1, strategy="random", seed=5, packing=True, max_tokens_per_micro_batch=1500)
+    from ray_cluster_ft.allocate._slots import _TAG_ORDER, _rng
+
+    perm = _rng(5, _TAG_ORDER, 0).permutation(ids.size)
+    order = perm[np.argsort(-nt[perm], kind="stable")]
+    ref = _bfd_reference(nt[order].tolist(), 1500)
+    want = sorted(sorted(ids[order[np.asarray(ref) == p]].tolist()) for p in range(max(ref) + 1))
+    got = sorted(sorted(g) for g in res.plan.groupby("step")["example_id"].apply(list))
+    assert got == want
+
+
+def test_even_count_recuts_without_losing_rows():
+    rng = np.random.default_rng(1)
+    nt = rng.integers(50, 400, 300)
+    code = rng.integers(0, 8, 300)
+    order = np.argsort(-nt, kind="stable")
+    pack_of = bfd(nt[order], 1000)
+    from ray_cluster_ft.allocate._packs import _csr
+
+    rows, ptr = _csr(pack_of, order, nt, int(pack_of.max()) + 1)
+    p = ptr.size - 1
+    for w, g in ((4, 1), (3, 2), (7, 1)):
+        r2, p2, n_light = _even_count(rows, ptr, code, nt, 1000, w, g)
+        assert (p2.size - 1) % (w * g) == 0 and p2.size - 1 >= p
+        assert sorted(r2.tolist()) == list(range(300))
+        tokens, _ = _pack_stats(r2, p2, code, nt)
+        assert tokens.max() <= 1000 and (np.diff(p2) > 0).all()
+        assert n_light % (w * g) == 0
+        if n_light:  # the light packs of one step carry nearly equal tokens
+            light = tokens[-n_light:]
+            assert light.max() / light.mean() < 1.3
+
+
+def test_packing_errors():
+    ids, cl, nt = _synthetic(n=200)
+    nt[17] = 5000
+    with pytest.raises(ValueError, match="e00017.*5000 tokens.*max_tokens_per_micro_batch=4096"):
+        make_plan(ids, cl, nt, 2, 4, packing=True, max_tokens_per_micro_batch=4096)
+    nt[17] = 100
+    with pytest.raises(ValueError, match="strategy 'length' with packing"):
+        make_plan(ids, cl, nt, 2, 4, strategy="length", packing=True, max_tokens_per_micro_batch=4096)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be an integer"):
+        make_plan(ids, cl, nt, 2, 4, packing=True)
+    with pytest.raises(ValueError, match="needs packing=True"):
+        make_plan(ids, cl, nt, 2, 4, max_tokens_per_micro_batch=4096)
+    with pytest.raises(ValueError, match="cannot fill one optimizer step"):
+        make_plan(ids[:3], cl[:3], nt[:3], 2, 4, 2, packing=True, max_tokens_per_micro_batch=4096)
+    from ray_cluster_ft.config import AllocationConfig
+
+    with pytest.raises(ValueError, match="'length' with allocation.packing"):
+        AllocationConfig(strategy="length", packing=True)
+
+
+def test_check_plan_refuses_an_overfull_pack():
+    plan = pd.DataFrame({"epoch": 0, "step": 0, "rank": [0, 0, 1], "micro_index": 0,
+                         "example_id": ["a", "b", "c"], "cluster": 0, "n_tokens": [60, 50, 90]})
+    assert check_plan(plan, 2, 1, 1, max_tokens_per_micro_batch=110) == 1
+    with pytest.raises(ValueError, match=r"pack \(rank 0, step 0, micro_index 0\) holds 110 tokens"):
+        check_plan(plan, 2, 1, 1, max_tokens_per_micro_batch=100)
+
+
+def test_plan_metrics_per_row_collisions_and_pack_fill_known_answer():
+    """W = 2, two steps. Step 0: rank 0 packs clusters {1, 2} (majority 1: two rows of 1), rank 1 {2, 2, 3}
+    (majority 2): majorities differ (0 by majority) but cluster 2 is on both ranks (1 per row). Step 1:
+    rank 0 {4}, rank 1 {5}: none."""
+    rows = [  # step, rank, cluster, n_tokens
+        (0, 0, 1, 30), (0, 0, 1, 30), (0, 0, 2, 10),
+        (0, 1, 2, 20), (0, 1, 2, 20), (0, 1, 3, 40),
+        (1, 0, 4, 80), (1, 1, 5, 60),
+    ]
+    plan = pd.DataFrame(rows, columns=["step", "rank", "cluster", "n_tokens"])
+    plan["epoch"], plan["micro_index"] = 0, 0
+    plan["example_id"] = [f"x{i}" for i in range(len(plan))]
+    m = plan_metrics(plan, 2, 100)
+    assert m["collisions_per_step"] == 0.0
+    assert m["collisions_per_step_rows"] == 0.5  # one collision in step 0, none in step 1
+    assert m["pack_fill"] == pytest.approx((70 + 80 + 80 + 60) / 4 / 100)
+    assert m["padding_fraction"] == 0.0
+    # per step max / mean of real tokens: step 0 80/75, step 1 80/70
+    assert m["token_imbalance_mean"] == pytest.approx((80 / 75 + 80 / 70) / 2)
+    assert m["single_cluster_fraction"] == 0.5
+    assert "pack_fill" not in plan_metrics(plan, 2)
+
+
+def _mb_sets(plan, epoch):
+    part = plan[plan["epoch"] == epoch]
+    return {frozenset(v) for v in part.groupby(["step", "rank", "micro_index"])["example_id"].apply(tuple)}
+
+
+def test_cluster_plan_recut_every_epoch_keeps_epoch_0():
+    ids, cl, nt = _synthetic(n=1203, k=12)
+    one = make_plan(ids, cl, nt, 4, 4, 2, 1, seed=7).plan
+    res = make_plan(ids, cl, nt, 4, 4, 2, 3, seed=7)
+    three = res.plan
+    # epoch 0 is the one-epoch plan, row for row (so single-epoch plans are unchanged)
+    e0 = three[three["epoch"] == 0].reset_index(drop=True)
+    pd.testing.assert_frame_equal(e0, one)
+    kept = set(e0["example_id"])
+    for e in (1, 2):
+        part = three[three["epoch"] == e]
+        assert set(part["example_id"]) == kept and part["example_id"].is_unique
+    # micro-batch composition differs between epochs (not only their order)
+    s0, s1, s2 = (_mb_sets(three, e) for e in range(3))
+    assert len(s0 & s1) < 0.5 * len(s0) and len(s1 & s2) < 0.5 * len(s1)
+    check_plan(three, 4, 4, 2)
+    m = plan_metrics(three, 4)
+    assert m["collisions_per_step"] == 0.0 and m["padding_fraction"] < 0.08
+
+
+def test_packed_cluster_plan_recuts_every_epoch():
+    ids, cl, nt = _synthetic(n=1500, k=8)
+    plan = make_plan(ids, cl, nt, 4, 4, 1, 2, seed=0, packing=True, max_tokens_per_micro_batch=2048).plan
+    s0, s1 = _mb_sets(plan, 0), _mb_sets(plan, 1)
+    assert len(s0 & s1) < 0.5 * len(s0)
+    first = make_plan(ids, cl, nt, 4, 4, 1, 1, seed=0, packing=True, max_tokens_per_micro_batch=2048).plan
+    pd.testing.assert_frame_equal(plan[plan["epoch"] == 0].reset_index(drop=True), first)
+
+
+def test_packed_plan_is_deterministic():
+    ids, cl, nt = _synthetic(n=800)
+    a = make_plan(ids, cl, nt, 4, 4, 2, 2, seed=11, packing=True, max_tokens_per_micro_batch=2048).plan
+    b = make_plan(ids, cl, nt, 4, 4, 2, 2, seed=11, packing=True, max_tokens_per_micro_batch=2048).plan
+    pd.testing.assert_frame_equal(a, b)
