@@ -137,7 +137,9 @@ def test_deepspeed_batch_keys_are_checked_on_the_driver(tmp_path):
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3}}))
     with pytest.raises(ConfigError, match="sets train_micro_batch_size_per_gpu=8 but the plan needs 4"):
         build()
-    assert build(micro_batch_size=8)["train_micro_batch_size_per_gpu"] == 8
+    with pytest.raises(ConfigError, match="zero_optimization.stage=3 but train.zero_stage is 2"):
+        build(micro_batch_size=8)
+    assert build(micro_batch_size=8, zero_stage=3)["train_micro_batch_size_per_gpu"] == 8
     ds.write_text(json.dumps({"train_batch_size": 16}))
     with pytest.raises(ConfigError, match="train_batch_size=16 but the plan needs 8"):
         build()

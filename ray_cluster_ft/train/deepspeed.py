@@ -160,8 +160,8 @@ def merge_deepspeed_config(base: dict, user: dict) -> dict:
     otherwise fail inside every training worker.
 
     Raises:
-        ValueError: a user batch key that contradicts the job config (the plan's micro-batches would not fit),
-            or a non-mapping where ``base`` has a mapping.
+        ValueError: a user batch key that contradicts the job config (the plan's micro-batches would not fit), a
+            ZeRO stage other than ``train.zero_stage``, or a non-mapping where ``base`` has a mapping.
     """
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         if key in user and user[key] != base.get(key):
@@ -169,6 +169,13 @@ def merge_deepspeed_config(base: dict, user: dict) -> dict:
                 f"the DeepSpeed config sets {key}={user[key]!r} but the plan needs {base.get(key)!r}; "
                 f"set train.micro_batch_size / train.grad_accum / train.num_workers instead"
             )
+    # The workers build the model (zero.Init under ZeRO-3) and save it (16-bit gather) by train.zero_stage, so
+    # the stage DeepSpeed runs must be that one.
+    stage = (user.get("zero_optimization") or {}).get("stage") if isinstance(user.get("zero_optimization"), dict) \
+        else None
+    if stage is not None and stage != base["zero_optimization"]["stage"]:
+        raise ValueError(f"the DeepSpeed config sets zero_optimization.stage={stage!r} but train.zero_stage is "
+                         f"{base['zero_optimization']['stage']}; set train.zero_stage instead")
     return _deep_merge(base, user)
 
 

@@ -147,11 +147,13 @@ def _trainer(cfg: TrainConfig, tables: list[pa.Table], run_dir: Path, loop_confi
 def _check_plan(plan: pd.DataFrame, world: int, cfg: TrainConfig, packing: bool) -> int:
     """:func:`ray_cluster_ft.allocate.check_plan` (the hard rules: every rank, even micro-batch counts,
     ``micro_index`` 0..G-1 per rank and step, steps within an epoch); returns the optimizer steps. A packed plan
-    has any number of rows per micro-batch, so its rules are checked on one row per micro-batch (size 1)."""
+    has any number of rows per micro-batch: its packs are checked in tokens (``train.max_tokens_per_micro_batch``)
+    instead of rows."""
     if not packing:
         return check_plan(plan, world, cfg.micro_batch_size, cfg.grad_accum)
-    key = [c for c in ("rank", "epoch", "step", "micro_index") if c in plan.columns]
-    return check_plan(plan.drop_duplicates(key), world, 1, cfg.grad_accum)
+    if cfg.max_tokens_per_micro_batch is None:
+        raise ValueError("a packed plan needs train.max_tokens_per_micro_batch (the tokens a pack may hold)")
+    return check_plan(plan, world, 1, cfg.grad_accum, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
 
 
 # Long for its docstring (about 50 lines: arguments, fault tolerance, errors); the trainer is built by _trainer.

@@ -165,6 +165,8 @@ def make_packed_plan(ex: pa.Table, world: int, ga: int, rows_per_pack: list[int]
         i, j, mb = i + n, j + 1, mb + 1
     assert mb % (world * ga) == 0, "the packs must fill whole steps"
     plan = pd.DataFrame(rows, columns=["epoch", "step", "rank", "micro_index", "example_id"])
+    lengths = dict(zip(ex.column("example_id").to_pylist(), (len(t) for t in ex.column("input_ids").to_pylist())))
+    plan["n_tokens"] = plan["example_id"].map(lengths).astype(np.int64)
     return plan.sort_values(["rank", "epoch", "step", "micro_index"], kind="stable").reset_index(drop=True)
 
 

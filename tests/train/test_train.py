@@ -100,9 +100,12 @@ def test_deepspeed_config_offload_and_user_json(tmp_path):
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"overlap_comm": True, "stage": 2},
                                 "optimizer": {"params": {"eps": 1e-6}}, "gradient_clipping": 0.3}))
-    ds = build_deepspeed_config(TrainConfig(zero_stage=3, deepspeed_config=str(user)), total_steps=10)
+    ds = build_deepspeed_config(TrainConfig(zero_stage=2, deepspeed_config=str(user)), total_steps=10)
     # nested keys merge; the user's values win; untouched keys stay
     assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    # the workers build and save the model by train.zero_stage: another stage in the JSON is refused
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=2 but train.zero_stage is 3"):
+        build_deepspeed_config(TrainConfig(zero_stage=3, deepspeed_config=str(user)), total_steps=10)
     assert ds["optimizer"]["params"]["eps"] == 1e-6 and ds["optimizer"]["params"]["torch_adam"] is True
     assert ds["gradient_clipping"] == 0.3 and ds["train_micro_batch_size_per_gpu"] == 4
 
