@@ -31,6 +31,19 @@ def as_token_rows(column: Any, name: str = "input_ids") -> list[np.ndarray]:
     return rows
 
 
+def _sequences(who: str, input_ids, labels) -> tuple[list[np.ndarray], np.ndarray]:
+    """``input_ids`` as int64 arrays and their lengths, after the checks both layouts share: B >= 1, as many
+    label sequences as id sequences, none empty (a packing collator would drop an empty one silently)."""
+    if len(input_ids) == 0 or (labels is not None and len(input_ids) != len(labels)):
+        n_lab = None if labels is None else len(labels)
+        raise ValueError(f"{who}: need B >= 1 equal-count sequences, got {len(input_ids)} and {n_lab}")
+    ids = [np.asarray(x, dtype=np.int64).ravel() for x in input_ids]
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    if lengths.min() < 1:
+        raise ValueError(f"{who}: an empty sequence")
+    return ids, lengths
+
+
 def collate(
     input_ids: Sequence[Sequence[int]],
     labels: Sequence[Sequence[int]] | None = None,
@@ -54,13 +67,7 @@ def collate(
     """
     if side not in ("right", "left"):
         raise ValueError(f"collate: side must be 'right' or 'left', got {side!r}")
-    if len(input_ids) == 0 or (labels is not None and len(input_ids) != len(labels)):
-        n_lab = None if labels is None else len(labels)
-        raise ValueError(f"collate: need B >= 1 equal-count sequences, got {len(input_ids)} and {n_lab}")
-    ids = [np.asarray(x, dtype=np.int64).ravel() for x in input_ids]
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    if lengths.min() < 1:
-        raise ValueError("collate: an empty sequence")
+    ids, lengths = _sequences("collate", input_ids, labels)
     width = int(lengths.max())
     cols = np.arange(width)[None, :]
     mask = cols < lengths[:, None] if side == "right" else cols >= (width - lengths)[:, None]
@@ -117,13 +124,7 @@ def pack(
     """
     from transformers import DataCollatorWithFlattening
 
-    if len(input_ids) == 0 or (labels is not None and len(input_ids) != len(labels)):
-        n_lab = None if labels is None else len(labels)
-        raise ValueError(f"pack: need B >= 1 equal-count sequences, got {len(input_ids)} and {n_lab}")
-    ids = [np.asarray(x, dtype=np.int64).ravel() for x in input_ids]
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    if lengths.min() < 1:
-        raise ValueError("pack: an empty sequence (the collator would drop it silently)")
+    ids, lengths = _sequences("pack", input_ids, labels)
     features = [{"input_ids": x} for x in ids]
     if labels is not None:
         lab = [np.asarray(x, dtype=np.int64).ravel() for x in labels]
