@@ -173,7 +173,8 @@ def merge_deepspeed_config(base: dict, user: dict) -> dict:
     # the stage DeepSpeed runs must be that one.
     stage = (user.get("zero_optimization") or {}).get("stage") if isinstance(user.get("zero_optimization"), dict) \
         else None
-    if stage is not None and stage != base["zero_optimization"]["stage"]:
+    # (a stage that is not a whole number is left to DeepSpeed's own config model, which names the field)
+    if isinstance(stage, int) and not isinstance(stage, bool) and stage != base["zero_optimization"]["stage"]:
         raise ValueError(f"the DeepSpeed config sets zero_optimization.stage={stage!r} but train.zero_stage is "
                          f"{base['zero_optimization']['stage']}; set train.zero_stage instead")
     return _deep_merge(base, user)

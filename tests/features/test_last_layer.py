@@ -138,7 +138,7 @@ def test_stage_run_normalises_the_raw_shards_on_the_driver(tmp_path, monkeypatch
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         _write_atomic(_to_arrow({"example_id": np.asarray(ids), "sketch": raw, "loss": np.zeros(3),
                                  "n_tokens": np.ones(3)}), Path(out_dir) / "shard-00000-x.parquet")
-        return {"shards": 1}
+        return {"shards": 1, "rows_computed": 3, "rows_reused": 0}
 
     monkeypatch.setattr(stage, "compute_sketches", fake_compute)
     monkeypatch.setattr(stage, "prepare_sketch_inputs", lambda train, cfg, tok: SimpleNamespace(
