@@ -118,7 +118,7 @@ def test_packed_forward_backward_equals_per_example_tiny_model(tiny_model_dir, a
 
 
 @pytest.mark.slow  # 15 s on an idle core, over 2 min on the shared 2 cores
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa"])  # eager on the tiny model above: one demo-model run is the slow part
 def test_packed_forward_backward_equals_per_example_demo_model(attn):
     """The demo model (SmolLM2-135M, 30 layers) in fp32. Its fp32 rounding alone moves the gradient by about
     1.5e-5 (relative, all parameters) between any two exact ways of computing it: the padded batch of the same
@@ -313,32 +313,3 @@ def test_packed_deepspeed_step_updates_the_weights_as_the_padded_step(tiny_model
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
         moved = max(moved, float((want - base[k]).abs().max()))
     assert moved > 1e-5  # the step moved the weights
-
-
-@pytest.mark.slow
-def test_packed_training_run_follows_the_plan_through_an_injected_failure(ray_cpu, tiny_model_dir, tmp_path,
-                                                                         monkeypatch):
-    """Ray Train + DeepSpeed, 2 ranks, packs of 1 to 4 rows: rank 0 fails once at step 3, the group resumes from
-    the step-2 checkpoint (rows trained per rank differ per pack, so the trained log is cut by the rows the
-    checkpoint recorded), and the run trains exactly the plan with no padding."""
-    from ray_cluster_ft.train import train
-
-    ex = make_examples(16, seed=5)
-    plan = make_packed_plan(ex, world=2, ga=1, rows_per_pack=[1, 3, 2, 4, 1, 1, 2, 2])
-    cfg = TrainConfig(num_workers=2, zero_stage=2, micro_batch_size=2, grad_accum=1, epochs=1, lr=1e-3,
-                      timeout_s=120, checkpoint_every=2, max_failures=1, max_tokens_per_micro_batch=80)
-    monkeypatch.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", "3")
-    res = train(plan, ex, cfg, str(tiny_model_dir), tmp_path / "run", pad_token_id=2, packing=True,
-                save_model=False)
-    assert (tmp_path / "run" / ".fault_injected").exists() and res.resumed_from_step == 2 and res.steps == 4
-    trained = pd.read_parquet(res.trained_path)
-    for r in range(2):
-        got, want = trained[trained["rank"] == r], plan[plan["rank"] == r]
-        assert got["example_id"].tolist() == want["example_id"].tolist()
-        assert got[["step", "micro_index"]].to_numpy().tolist() == want[["step", "micro_index"]].to_numpy().tolist()
-    log = [json.loads(line) for line in res.log_path.read_text().splitlines()]
-    n_tok = dict(zip(ex.column("example_id").to_pylist(), ex.column("n_tokens").to_pylist()))
-    want_tokens = plan.assign(t=plan["example_id"].map(n_tok)).groupby("step")["t"].sum().tolist()
-    assert [row["tokens"] for row in log] == want_tokens
-    assert [row["padding_tokens"] for row in log] == [0] * 4
-    assert [row["padded_tokens"] for row in log] == want_tokens
