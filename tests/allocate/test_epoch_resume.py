@@ -30,7 +30,8 @@ def _inputs(n: int):
 def test_every_epoch_recuts_the_cluster_plan(packing):
     """Epochs 1 and 2 are cut with seed + epoch: other micro-batches (packs), not only another order; every row
     once per epoch."""
-    _, ids, n_tokens, clusters = _inputs(24)
+    # (24 rows of 6-20 tokens would leave BFD one way to pack each cluster, jittered or not)
+    _, ids, n_tokens, clusters = _inputs(48)
     kw = {"packing": True, "max_tokens_per_micro_batch": 48} if packing else {}
     plan = make_plan(ids, clusters, n_tokens, 2, 2, 1, 3, strategy="cluster", seed=1, **kw).plan
     mbs = [_micro_batches(plan, e) for e in range(3)]
