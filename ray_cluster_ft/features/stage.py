@@ -47,6 +47,9 @@ __all__ = [
 # A shard (one actor call, one file) holds this many sketch sub-batches by default: sorting a larger pool
 # by length leaves less padding, and a smaller one loses less work to an interruption.
 _SUBBATCHES_PER_RAY_BATCH = 8
+# ... and a large input is cut into at most this many shards: 10^6 rows write 500 files of 2,000 rows, not 15,625
+# of 64 (a shared file system or an object store pays per file; an interruption loses one shard per actor).
+_MAX_SHARDS = 500
 
 _IN_PROCESS_ROWS = 128
 """With a feature store, at most this many missing rows (on the CPU) are sketched in the driver rather than by a
@@ -170,13 +173,17 @@ def _sketch_here(table, pending, cfg: SketchConfig, model_path: str, out: Path, 
 
 
 def _default_shard_rows(n_rows: int, cfg: SketchConfig, use_gpu: bool, gpu_actors: int | None) -> int:
-    """Rows per shard: ``8 * sketch.batch_size`` (:data:`_SUBBATCHES_PER_RAY_BATCH` sub-batches), but when the
-    input is smaller than one such shard per actor of the pool (:func:`_actor_resources`), ``ceil(n_rows /
-    actors)`` (at least ``sketch.batch_size``), so that every actor gets a shard: a job that adds a few rows to
-    a feature store (60 rows, 2 actors) sketches them as two shards at once, not one after the other."""
+    """Rows per shard: ``8 * sketch.batch_size`` (:data:`_SUBBATCHES_PER_RAY_BATCH` sub-batches), or
+    ``ceil(n_rows / 500)`` when that is larger (:data:`_MAX_SHARDS`: a large job writes hundreds of files, not
+    tens of thousands); but when the input is smaller than one ``8 * sketch.batch_size`` shard per actor of the
+    pool (:func:`_actor_resources`), ``ceil(n_rows / actors)`` (at least ``sketch.batch_size``), so that every
+    actor gets a shard: a job that adds a few rows to a feature store (60 rows, 2 actors) sketches them as two
+    shards at once, not one after the other."""
     rows = _SUBBATCHES_PER_RAY_BATCH * cfg.batch_size
     if n_rows == 0:
         return rows
+    if n_rows > rows * _MAX_SHARDS:
+        return -(-n_rows // _MAX_SHARDS)
     n_actors, _ = _actor_resources(cfg, use_gpu, gpu_actors)
     if n_rows >= rows * n_actors:
         return rows

@@ -208,6 +208,19 @@ def test_a_small_input_is_cut_so_every_actor_gets_a_shard(ray_cpu):
     assert [_default_shard_rows(n, one, False, None) for n in (12, 30)] == [12, 24]
 
 
+def test_a_large_input_writes_hundreds_of_shards_not_tens_of_thousands():
+    """10^6 rows at the default batch size (8 rows, 64-row shards) would write 15,625 files; the shards grow so
+    that at most 500 are written, and an input up to 500 default shards keeps the default size."""
+    from ray_cluster_ft.features.stage import _default_shard_rows
+
+    cfg = SketchConfig(num_actors=8)
+    for n, files in ((10**6, 500), (32_000, 500), (32_001, 493), (100_000, 500), (10_000, 157)):
+        rows = _default_shard_rows(n, cfg, False, None)
+        assert -(-n // rows) == files, (n, rows)
+    assert _default_shard_rows(10**6, cfg, False, None) == 2000
+    assert _default_shard_rows(10_000, cfg, False, None) == 64
+
+
 @pytest.mark.slow  # three Ray Data jobs: about 45 s on 2 busy cores
 def test_another_seed_or_one_changed_weight_byte_reads_nothing(tiny_dir, tmp_path, ray_cpu):
     cfg = CFG.model_copy(update={"store": str(tmp_path / "store")})
