@@ -14,7 +14,7 @@ import numpy as np
 
 from .deepspeed import _disable_shm_comm, _make_scheduler, resolve_precision
 from .rank_data import _KEY
-from .step import ForwardTimer, micro_batch_to_device, train_micro_batch
+from .step import ForwardTimer, collate_micro_batch, to_device, train_micro_batch
 
 __all__ = ["FAIL_AT_STEP_ENV", "train_loop_per_worker"]
 
@@ -61,6 +61,30 @@ def _micro_batches(shard, micro_batch_size: int, packed: bool, chunk_rows: int =
         buf = buf.slice(starts[-1])
     if buf is not None and buf.num_rows:
         yield as_numpy(buf)
+
+
+def _prefetch(batches, collate, skip: int = 0, depth: int = 2):
+    """``(batch, collate(batch))`` for every batch of ``batches``, with ``collate`` (host-side padding or packing,
+    tensor creation, pinning) run on one background thread up to ``depth`` micro-batches ahead, so the training
+    thread only launches copies and kernels. The first ``skip`` batches (trained before the checkpoint a run
+    resumes from) come with ``None``, uncollated. Reading the batches stays on the calling thread (Ray's iterator
+    is not shared); an exception in ``collate`` is raised here, at its batch."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="collate") as pool:
+        pending: deque = deque()
+        for i, batch in enumerate(batches):
+            if i < skip:
+                yield batch, None
+                continue
+            pending.append((batch, pool.submit(collate, batch)))
+            if len(pending) > depth:
+                b, fut = pending.popleft()
+                yield b, fut.result()
+        while pending:
+            b, fut = pending.popleft()
+            yield b, fut.result()
 
 
 def _append_jsonl(fh, rows: list[dict]) -> None:
@@ -357,7 +381,10 @@ def train_loop_per_worker(config: dict) -> None:
     metrics: dict[str, Any] = {}
     t_train = time.perf_counter()
     try:
-        for batch in _micro_batches(shard, mbs, packed):
+        def collate(b):
+            return collate_micro_batch(b, config["pad_token_id"], device, packed=packed, flash_attn_kwargs=flash_varlen)
+
+        for batch, host in _prefetch(_micro_batches(shard, mbs, packed), collate, skip=start):
             epoch, step, micro = _check_micro_batch(batch, None if packed else mbs)
             if micro != done % ga or (micro == 0 and cur_step is not None and step <= cur_step) or (
                 micro > 0 and step != cur_step
@@ -380,8 +407,7 @@ def train_loop_per_worker(config: dict) -> None:
                 real = padded = 0
                 step_lr = float(engine.get_lr()[0])  # the lr this step trains with (the scheduler steps after it)
                 loss_acc.zero_()
-            mb = micro_batch_to_device(batch, config["pad_token_id"], device, packed=packed,
-                                       flash_attn_kwargs=flash_varlen)
+            mb = to_device(host, device)
             denom = float(batch["step_weighted_tokens"][0])  # the step's sum_i w_i |T_i|, from the plan
             loss_sum = train_micro_batch(engine, mb, world * ga / denom, timer)
             _append_jsonl(trained_fh, [

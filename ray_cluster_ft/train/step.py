@@ -24,7 +24,8 @@ import numpy as np
 
 from ..data.collate import IGNORE_INDEX, collate, pack
 
-__all__ = ["FLASH_VARLEN_KEYS", "ForwardTimer", "micro_batch_to_device", "token_exact_loss", "train_micro_batch"]
+__all__ = ["FLASH_VARLEN_KEYS", "ForwardTimer", "collate_micro_batch", "micro_batch_to_device", "to_device",
+           "token_exact_loss", "train_micro_batch"]
 
 FLASH_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """The keyword arguments of a packed micro-batch that flash-attention varlen reads (transformers'
@@ -68,9 +69,11 @@ class ForwardTimer:
         return out
 
 
-def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, device, packed: bool = False,
-                          flash_attn_kwargs: bool = False) -> dict:
-    """Collate one planned micro-batch (ragged ``input_ids`` and ``labels``) and move it to ``device``.
+def collate_micro_batch(batch: dict[str, np.ndarray], pad_token_id: int, device, packed: bool = False,
+                        flash_attn_kwargs: bool = False) -> dict:
+    """Collate one planned micro-batch (ragged ``input_ids`` and ``labels``) into host tensors, pinned when
+    ``device`` is CUDA so that :func:`to_device` copies them asynchronously. Host-only work: the training loop runs
+    it on a background thread, one micro-batch ahead of the step (:func:`ray_cluster_ft.train.loop._prefetch`).
 
     Args:
         batch: ``input_ids``, ``labels`` (B ragged rows) and optionally ``weight`` (B,).
@@ -86,7 +89,7 @@ def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, devic
         float32 ``(B,)`` (ones when the batch has no ``weight`` column). Packed: ``input_ids``,
         ``position_ids``, ``labels``: int64 ``(1, N)`` with ``N = sum_i L_i``, no ``attention_mask``;
         ``weight``: float32 ``(1, N)``, the row's weight on each of its tokens; plus the int32
-        ``cu_seq_lens_q/k`` and int ``max_length_q/k`` when asked. All tensors on ``device``.
+        ``cu_seq_lens_q/k`` and int ``max_length_q/k`` when asked. All tensors on the host (pinned for CUDA).
     """
     import torch
 
@@ -99,11 +102,25 @@ def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, devic
         host = collate(batch["input_ids"], batch["labels"], pad_token_id)
         host["weight"] = w
     ints = {k: host.pop(k) for k in ("max_length_q", "max_length_k") if k in host}
-    if getattr(device, "type", str(device)) != "cuda":
-        return {**{k: torch.from_numpy(np.asarray(v)) for k, v in host.items()}, **ints}
+    cuda = getattr(device, "type", str(device)) == "cuda"
     # Pinned host memory lets the copies run asynchronously; the forward waits for them on the stream.
-    return {**{k: torch.from_numpy(np.asarray(v)).pin_memory().to(device, non_blocking=True) for k, v in host.items()},
-            **ints}
+    tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in host.items()}
+    return {**({k: t.pin_memory() for k, t in tensors.items()} if cuda else tensors), **ints}
+
+
+def to_device(host: dict, device) -> dict:
+    """The tensors of :func:`collate_micro_batch` on ``device`` (non-blocking copies from pinned memory on CUDA;
+    the same dict on the CPU); plain ints stay as they are."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return host
+    return {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in host.items()}
+
+
+def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, device, packed: bool = False,
+                          flash_attn_kwargs: bool = False) -> dict:
+    """:func:`collate_micro_batch` then :func:`to_device`: one planned micro-batch as tensors on ``device``
+    (the shapes and dtypes of :func:`collate_micro_batch`)."""
+    return to_device(collate_micro_batch(batch, pad_token_id, device, packed, flash_attn_kwargs), device)
 
 
 def token_exact_loss(logits, labels, weight):

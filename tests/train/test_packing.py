@@ -313,3 +313,29 @@ def test_packed_deepspeed_step_updates_the_weights_as_the_padded_step(tiny_model
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
         moved = max(moved, float((want - base[k]).abs().max()))
     assert moved > 1e-5  # the step moved the weights
+
+
+def test_prefetch_collates_ahead_on_another_thread_in_order():
+    """The loop's collation runs on a background thread, in plan order; batches before the resume point are not
+    collated; a collation error surfaces at its batch."""
+    import threading
+
+    from ray_cluster_ft.train.loop import _prefetch
+
+    main = threading.get_ident()
+    seen = []
+
+    def collate(b):
+        seen.append(threading.get_ident())
+        if b == 5:
+            raise ValueError("bad batch 5")
+        return b * 10
+
+    got = list(_prefetch(iter(range(5)), collate, skip=2))
+    assert got == [(0, None), (1, None), (2, 20), (3, 30), (4, 40)]
+    assert len(seen) == 3 and main not in seen
+    out = []
+    with pytest.raises(ValueError, match="bad batch 5"):
+        for b, host in _prefetch(iter(range(8)), collate):
+            out.append(host)
+    assert out == [0, 10, 20, 30, 40]
