@@ -506,13 +506,14 @@ def clustering_warning(k: int, n_merged: int, world_size: int, min_cluster_size:
             f"smaller clustering.min_cluster_size or a larger clustering.k")
 
 
-def drift_warning(d: dict) -> str:
+def drift_warning(d: dict, refit: bool = False) -> str:
     """The sentence the run prints (and the manifest and report keep) when the rows new to a reused cluster
-    map lie beyond its 95th-percentile distance more often than ``clustering.max_drift``."""
+    map lie beyond its 95th-percentile distance more often than ``clustering.max_drift`` (``refit``: the run
+    already warm-started k-means from the map, so only clustering from scratch is left to suggest)."""
+    advice = "cluster again (drop clustering.from_run)" + ("" if refit else " or set clustering.refit: true")
     return (f"{d['share_new_beyond_p95']:.1%} of the {d['new_rows']} rows new to the reused cluster map lie farther "
             f"from every centroid than its 95th-percentile distance ({d['p95_distance']:.4g}), above "
-            f"clustering.max_drift={d['max_drift']:g}: cluster again (drop clustering.from_run) or set "
-            f"clustering.refit: true")
+            f"clustering.max_drift={d['max_drift']:g}: {advice}")
 
 
 def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None) -> tuple:
@@ -611,7 +612,7 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
         summary["from_run"] = res.from_run
         d = res.from_run["drift"]
         if d["suggest_recluster"]:
-            summary["drift_warning"] = drift_warning(d)
+            summary["drift_warning"] = drift_warning(d, refit=cfg.clustering.refit)
             print(f"[ray-cluster-ft] warning: {summary['drift_warning']}", flush=True)
     warning = clustering_warning(res.k, res.n_merged_clusters, W, c.min_cluster_size)
     alloc = cfg.allocation

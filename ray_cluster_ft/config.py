@@ -116,7 +116,7 @@ class ModelConfig(_Section):
         "sdpa", description="attention kernel of the trained model (flash_attention_2 needs the flash-attn package "
                             "on the GPU workers)")
     cache_dir: str | None = Field(
-        None, description="where the driver puts a converted or downloaded model (`demo`, a hub id) once, on storage "
+        None, min_length=1, description="where the driver puts a converted or downloaded model (`demo`, a hub id) once, on storage "
                           "every node reads; null = a folder `.model-cache` beside output.dir; a relative path is "
                           "relative to the folder that holds output.dir")
 
@@ -378,6 +378,13 @@ class TrainConfig(_Section):
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = no limit")
     max_tokens_per_micro_batch: int | None = Field(
         None, ge=8, description="allocation.packing only: tokens per pack at most (whole examples, never cut)")
+
+    @field_validator("max_tokens_per_micro_batch", mode="before")
+    @classmethod
+    def _max_tokens_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML `true` would otherwise become 1
+            raise ValueError("train.max_tokens_per_micro_batch must be a whole number of tokens, not a boolean")
+        return v
     final_checkpoint: bool = Field(
         True, description="write a last checkpoint after the final step (off when only final_model/ is wanted)")
 
@@ -642,17 +649,20 @@ def budget_count(budget: float, n_accepted: int) -> int:
     return int(budget)
 
 
-def check_against_data(cfg: JobConfig, n_train: int, n_read: int | None = None) -> None:
+def check_against_data(cfg: JobConfig, n_train: int, n_read: int | None = None,
+                       n_tokens: int | None = None) -> None:
     """Fail fast on combinations that the accepted-example count makes impossible.
 
     Args:
         cfg: the job config.
         n_train: accepted examples available for selection (after the held-out split).
         n_read: rows read from the sources (None: unknown), to tell empty files from all-rejected rows.
+        n_tokens: tokens of the accepted examples (None: unknown), for ``selection.budget_tokens``.
 
     Raises:
-        ConfigError: no examples; a count budget above ``n_train``; ``clustering.k`` above ``n_train``;
-            a world size whose ranks would get no micro-batch.
+        ConfigError: no examples; a count budget above ``n_train`` (or a token count above ``n_tokens``);
+            ``clustering.k`` above ``n_train``; a world size whose ranks would get no micro-batch (packed: no
+            pack).
     """
     t = cfg.train
     if n_train == 0 and n_read == 0:
@@ -665,7 +675,20 @@ def check_against_data(cfg: JobConfig, n_train: int, n_read: int | None = None) 
     clusters = needs_clusters(cfg)
     if clusters and isinstance(cfg.clustering.k, int) and cfg.clustering.k > n_train:
         raise ConfigError(f"clustering.k={cfg.clustering.k} is above the {n_train} accepted training examples")
+    bt = cfg.selection.budget_tokens
+    if bt is not None and bt > 1 and n_tokens is not None and bt > n_tokens:
+        raise ConfigError(f"selection.budget_tokens={int(bt)} is above the {n_tokens} tokens of the accepted "
+                          f"training examples")
     n_sel = n_train if cfg.selection.strategy == "full" else budget_count(b, n_train)
+    if bt is not None:
+        n_sel = n_train  # how many rows a token budget takes is known after selection (select.run checks it)
+    if cfg.allocation.packing:  # a pack may hold one example: a step needs W x G of them
+        per_step = t.num_workers * t.grad_accum
+        if n_sel < per_step:
+            raise ConfigError(
+                f"train.num_workers={t.num_workers} x train.grad_accum={t.grad_accum} = {per_step} packs per "
+                f"optimizer step, but the selection holds only {n_sel} examples: some ranks would get no pack")
+        return
     per_step = t.num_workers * t.micro_batch_size * t.grad_accum
     if n_sel < per_step:
         raise ConfigError(

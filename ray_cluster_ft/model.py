@@ -272,8 +272,15 @@ def resolve_models(cfg: JobConfig) -> tuple[JobConfig, dict]:
 
     Raises:
         FileNotFoundError: as :func:`resolve_model_path` (a missing folder, a malformed or unavailable hub id).
+        ConfigError: ``model.cache_dir`` cannot be created as a folder (a file there, a path under a file).
     """
     cache = model_cache_dir(cfg.model.cache_dir, cfg.output.dir)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file in its place, a path under a file, no permission
+        from .config import ConfigError
+
+        raise ConfigError(f"model.cache_dir: {cache} cannot be a folder: {err.strerror or err}") from None
     path = resolve_model_path(cfg.model.path, "model.path", cache)
     sketch = resolve_model_path(cfg.sketch.model, "sketch.model", cache) if cfg.sketch.model else None
     new = cfg.model_copy(update={

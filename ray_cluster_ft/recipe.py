@@ -17,6 +17,7 @@ import pandas as pd
 from . import allocate, clustering, data, evaluate, features, select, train
 from ._ray import check_local_resources, init_ray
 from .config import JobConfig, check_against_data, needs_clusters
+from .features.feature_store import check_store
 from .manifest import StageTimer, write_manifest
 from .model import check_module_patterns, resolve_models
 from .rundir import claim, input_paths, prepare_run_dir, write_spec
@@ -59,12 +60,14 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     # Once, here on the driver: `demo` and hub ids become absolute folders under model.cache_dir, which the
     # workers, sketch actors and the evaluation task load as they are (they never resolve a name themselves).
     cfg, manifest["models"] = resolve_models(cfg)
+    if cfg.sketch.store and needs_clusters(cfg):
+        check_store(cfg.sketch.store)
 
     # Before Ray: a bad config or bad data fails fast.
     with timer.stage("data"):
         ds = data.run(cfg, run_dir, resume)
     cand = ds.result.train
-    check_against_data(cfg, cand.num_rows, ds.result.n_read)
+    check_against_data(cfg, cand.num_rows, ds.result.n_read, int(np.sum(cand.column("n_tokens").to_numpy())))
     clustered = needs_clusters(cfg)
     check_module_patterns(cfg, ds.model_path, clustered)
 
@@ -140,6 +143,8 @@ def run_features(cfg: JobConfig, address: str | None = None) -> dict:
     prepare_run_dir(run_dir, False, input_paths(cfg))
     timer = StageTimer()
     write_spec(cfg, run_dir)
+    cfg, _ = resolve_models(cfg)  # as run_pipeline: the sketch actors load an absolute folder
+    check_store(cfg.sketch.store)
     with timer.stage("data"):
         ds = data.run(cfg, run_dir)
     cand = ds.result.train

@@ -303,7 +303,7 @@ def select(
             raise ValueError(f"budget_tokens={budget_tokens} is above the {int(nt.sum())} tokens available")
         if strategy == "random":
             perm = np.random.default_rng(seed).permutation(total)
-            idx = np.sort(perm[:_prefix_within(nt[perm], budget_tokens)]).astype(np.int64)
+            idx = np.sort(perm[_fit_in_order(nt[perm], budget_tokens)]).astype(np.int64)
             quotas = np.bincount(lab[idx], minlength=k).astype(np.int64) if lab is not None else None
             return SelectionResult(idx, np.full(idx.size, "random"), quotas)
     elif strategy == "full":
@@ -347,19 +347,35 @@ def token_budget_count(budget_tokens: float, total_tokens: int) -> int:
     return int(budget_tokens)
 
 
-def _prefix_within(tokens: np.ndarray, quota: int) -> int:
-    """Length of the longest prefix of ``tokens`` (in pick order) whose sum stays within ``quota``."""
-    return int(np.searchsorted(np.cumsum(tokens), quota, side="right"))
+def _fit_in_order(tokens: np.ndarray, quota: int) -> np.ndarray:
+    """The positions taken when ``tokens`` (int64 (n,), in pick order) are taken in order while they fit
+    ``quota``: the longest prefix that fits, then every later one that still fits what is left (a long row does
+    not end the pick; the rows after it may be shorter). Returns int64 positions, ascending."""
+    cs = np.cumsum(tokens)
+    k = int(np.searchsorted(cs, quota, side="right"))
+    taken = list(range(k))
+    left = quota - (int(cs[k - 1]) if k else 0)
+    if k < tokens.size:
+        rest = tokens[k + 1:]
+        smallest = int(rest.min()) if rest.size else left + 1
+        for i in range(k + 1, tokens.size):  # one Python step per row after the prefix, until nothing fits
+            if left < smallest:
+                break
+            t = int(tokens[i])
+            if t <= left:
+                taken.append(i)
+                left -= t
+    return np.asarray(taken, dtype=np.int64)
 
 
 def _select_tokens_within(x_c, d_c, nt_c: np.ndarray, quota_tokens: int, within, dedup_threshold, seed):
-    """:func:`select_within` under a token quota: the members in the method's pick order, as many as fit the
-    quota (the longest prefix whose tokens sum to at most ``quota_tokens``).
+    """:func:`select_within` under a token quota: the members in the method's pick order, each taken while it
+    fits what is left of ``quota_tokens`` (:func:`_fit_in_order`).
 
     The methods pick a given count, so the count is found by a few calls: start at ``quota / mean tokens``,
     and while the picks' tokens fall short of the quota (and members remain) ask for as many more as the
-    shortfall / mean tokens (at least one), up to 8 calls and at most n - 1 members; then keep the prefix that
-    fits.
+    shortfall / mean tokens (at least one), up to 8 calls and at most n - 1 members; then keep those that
+    fit, in pick order.
 
     Returns (local indices int64 in pick order, reasons list[str]).
     """
@@ -377,8 +393,8 @@ def _select_tokens_within(x_c, d_c, nt_c: np.ndarray, quota_tokens: int, within,
         if got >= quota_tokens or m == n - 1:
             break
         m = min(n - 1, m + max(1, int((quota_tokens - got) // mean)))
-    keep = _prefix_within(nt_c[loc], quota_tokens)
-    return loc[:keep], list(reasons[:keep])
+    keep = _fit_in_order(nt_c[loc], quota_tokens)
+    return loc[keep], [reasons[i] for i in keep.tolist()]
 
 
 def _per_cluster(x, lab, d, quotas, within, dedup_threshold, seed, nt=None) -> SelectionResult:
@@ -445,7 +461,8 @@ def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, di
         :class:`SelectionStage`; its ``requested`` is the budget's count, or K x m for ``equalize``.
 
     Raises:
-        ConfigError: ``equalize`` without clusters, or with m rounding down to 0.
+        ConfigError: ``equalize`` without clusters, or with m rounding down to 0; a token budget that selects
+            fewer examples than one optimizer step needs.
     """
     return select_with_config(cfg, n_candidates=n_candidates, sketches=sketches, labels=labels, dist=dist,
                               n_tokens=n_tokens)
@@ -476,6 +493,13 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
         want = token_budget_count(s.budget_tokens, int(np.asarray(n_tokens, dtype=np.int64).sum()))
         res = select(s.strategy, sketches, labels, dist, within=s.within, dedup_threshold=s.dedup_threshold,
                      seed=s.seed, n_tokens=n_tokens, budget_tokens=want)
+        t = cfg.train
+        need = t.num_workers * t.grad_accum * (1 if cfg.allocation.packing else t.micro_batch_size)
+        if res.indices.size < need:
+            raise ConfigError(
+                f"selection.budget_tokens={s.budget_tokens} ({want} tokens) selects {res.indices.size} examples, "
+                f"fewer than one optimizer step needs ({need}: train.num_workers x train.grad_accum"
+                f"{'' if cfg.allocation.packing else ' x train.micro_batch_size'}); raise the budget")
         return SelectionStage(int(res.indices.size), res, want)
     requested = n_candidates if s.strategy == "full" else budget_count(s.budget, n_candidates)
     res = select(s.strategy, sketches, labels, dist, requested, within=s.within, dedup_threshold=s.dedup_threshold,

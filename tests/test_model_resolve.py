@@ -143,3 +143,15 @@ def test_the_sketch_inputs_name_the_resolved_folder(tmp_path, monkeypatch):
     train = load_examples(cfg.data, tok).train
     sk = prepare_sketch_inputs(train, cfg, tok)
     assert sk.model_path == resolved["model.path"] == str(tmp_path / ".model-cache" / convert_demo_model().name)
+
+
+def test_a_cache_dir_that_cannot_be_a_folder_is_a_config_error(tmp_path):
+    from ray_cluster_ft.config import ConfigError
+    from ray_cluster_ft.model import resolve_models
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    for cache in (a_file, a_file / "below"):
+        cfg = parse_config({"model": {"cache_dir": str(cache)}, "output": {"dir": str(tmp_path / "run")}})
+        with pytest.raises(ConfigError, match="model.cache_dir: .* cannot be a folder"):
+            resolve_models(cfg)

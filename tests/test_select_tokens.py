@@ -58,14 +58,28 @@ def test_balanced_token_budget_with_kcenter_stays_within_each_quota():
     assert (res.token_quotas - per < longest).all()
 
 
-def test_random_token_budget_is_a_seeded_prefix():
+def test_random_token_budget_takes_the_seeded_order_while_it_fits():
+    """A seeded permutation, each row taken while it fits what is left (a long row does not end the pick)."""
     labels, nt, _ = _clusters()
     perm = np.random.default_rng(4).permutation(nt.size)
-    cum = np.cumsum(nt[perm])
-    want = np.sort(perm[: int(np.searchsorted(cum, 450, side="right"))])
+    left, want = 450, []
+    for i in perm:  # the reference: first fit in the seeded order
+        if nt[i] <= left:
+            want.append(i)
+            left -= int(nt[i])
     res = select("random", None, labels, None, n_tokens=nt, budget_tokens=450, seed=4)
-    assert res.indices.tolist() == want.tolist()
-    assert int(nt[res.indices].sum()) <= 450 < int(nt[res.indices].sum()) + int(nt[perm[want.size]])
+    assert res.indices.tolist() == sorted(want)
+    assert int(nt[res.indices].sum()) <= 450
+    rest = np.setdiff1d(np.arange(nt.size), res.indices)
+    assert int(nt[rest].min()) > 450 - int(nt[res.indices].sum())  # nothing left out would still fit
+
+
+def test_a_long_row_does_not_end_the_token_pick():
+    from ray_cluster_ft.select import _fit_in_order
+
+    assert _fit_in_order(np.array([3, 4, 10, 2, 1, 5]), 10).tolist() == [0, 1, 3, 4]
+    assert _fit_in_order(np.array([11, 12]), 10).tolist() == []
+    assert _fit_in_order(np.array([5, 5]), 10).tolist() == [0, 1]
 
 
 def test_token_budget_errors():
@@ -86,10 +100,21 @@ def test_select_with_config_token_fraction():
     from ray_cluster_ft.config import JobConfig
 
     nt = _clusters()[1]
-    cfg = JobConfig.model_validate({"data": {"source": "demo"}, "selection": {"strategy": "random",
-                                                                              "budget_tokens": 0.45}})
+    cfg = JobConfig.model_validate({"data": {"source": "demo"}, "train": {"micro_batch_size": 1},
+                                    "selection": {"strategy": "random", "budget_tokens": 0.45}})
     st = select_with_config(cfg, n_candidates=nt.size, n_tokens=nt)
     assert st.tokens_requested == token_budget_count(0.45, 1000) == 450
     assert st.requested == st.result.indices.size
     assert int(nt[st.result.indices].sum()) <= 450
     assert token_budget_count(5000, 1000) == 5000
+
+
+def test_a_token_budget_below_one_step_is_a_config_error():
+    from ray_cluster_ft.config import ConfigError, JobConfig
+
+    nt = _clusters()[1]
+    cfg = JobConfig.model_validate({"data": {"source": "demo"}, "selection": {"strategy": "random",
+                                                                              "budget_tokens": 2}})
+    with pytest.raises(ConfigError, match=r"budget_tokens=2.0 \(2 tokens\) selects 0 examples, fewer than one "
+                                          r"optimizer step needs \(8"):
+        select_with_config(cfg, n_candidates=nt.size, n_tokens=nt)

@@ -202,6 +202,35 @@ def _light_packs(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, per
     return out
 
 
+def _split_packs(rows: np.ndarray, ptr: np.ndarray, nt: np.ndarray, x: int, unit: int, cap: int):
+    """``x`` more packs by splitting packs in two: each time the pack with the most rows (then the most tokens)
+    gives its lighter half of rows (every other row in length order) to a new pack. A part of a pack that fits
+    ``cap`` fits too, so this succeeds whenever there are at least ``P + x`` rows: the fallback of
+    :func:`_even_count` when no light re-cut fits. The new packs are ordinary packs (no light steps of their own).
+
+    Returns:
+        (rows, ptr) CSR of ``P + x`` packs.
+
+    Raises:
+        ValueError: fewer rows than ``P + x``: every pack would have to hold one example and there would still
+            be too few packs for whole steps of ``unit`` (= world_size x grad_accum) packs.
+    """
+    p = ptr.size - 1
+    if rows.size < p + x:
+        raise ValueError(
+            f"{rows.size} examples make {p} packs of at most {cap} tokens, and whole optimizer steps of {unit} packs "
+            f"(world_size x grad_accum) need {p + x}, more packs than examples: raise "
+            f"train.max_tokens_per_micro_batch, lower train.grad_accum or train.num_workers, or select more rows")
+    packs = [rows[ptr[q]:ptr[q + 1]] for q in range(p)]
+    for _ in range(x):
+        big = max(range(len(packs)), key=lambda q: (packs[q].size, int(nt[packs[q]].sum()), -q))
+        part = packs[big][np.argsort(-nt[packs[big]], kind="stable")]
+        packs[big], extra = part[0::2], part[1::2]
+        packs.append(extra)
+    pid = np.repeat(np.arange(len(packs)), [a.size for a in packs])
+    return _csr(pid, np.concatenate(packs), nt, len(packs))
+
+
 def _even_count(rows, ptr, code, nt, cap: int, w: int, g: int, prefer_mixed: bool = True):
     """Make the number of packs a multiple of W x G without dropping a row.
 
@@ -215,8 +244,11 @@ def _even_count(rows, ptr, code, nt, cap: int, w: int, g: int, prefer_mixed: boo
     last (``n_light`` of them, a multiple of W x G; 0 when nothing was re-cut), ordered rank-major: rank r's
     light packs are ``r * n_light / W`` .. onwards.
 
+    When no light re-cut fits ``cap``, ``x`` packs are split in two instead (:func:`_split_packs`), which works
+    whenever there are at least ``P + x`` rows.
+
     Raises:
-        ValueError: fewer rows than W x G (some rank would get no pack), or no re-cut fits.
+        ValueError: fewer rows than W x G (some rank would get no pack), or fewer rows than ``P + x``.
     """
     unit = w * g
     p = ptr.size - 1
@@ -253,8 +285,7 @@ def _even_count(rows, ptr, code, nt, cap: int, w: int, g: int, prefer_mixed: boo
         if cut is not None:
             break
     if cut is None:
-        raise ValueError(f"cannot split the {rows.size} examples into a multiple of {unit} packs of at most {cap} "
-                         f"tokens")
+        return (*_split_packs(rows, ptr, nt, x, unit, cap), 0)
     keep = np.setdiff1d(np.arange(p), chosen)
     kept_rows = np.concatenate([rows[ptr[q]:ptr[q + 1]] for q in keep.tolist()]) if keep.size else rows[:0]
     kept_pid = np.repeat(np.arange(keep.size), sizes[keep])

@@ -40,6 +40,7 @@ from ..config import SketchConfig
 
 __all__ = [
     "FeatureStore",
+    "check_store",
     "feature_settings",
     "model_fingerprint",
     "open_store",
@@ -180,6 +181,28 @@ def open_store(uri: str):
         filesystem, path = pafs.FileSystem.from_uri(uri)
         return filesystem, path.rstrip("/")
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+
+
+def check_store(uri: str) -> None:
+    """Fail before any work when ``sketch.store`` cannot be a store: an unknown URI scheme, or a local path that
+    is a file or cannot be created. A remote store is only parsed here (reaching it needs credentials the
+    workers may hold and this process may not).
+
+    Raises:
+        ConfigError: naming ``sketch.store`` and the reason.
+    """
+    from pyarrow import fs as pafs
+
+    from ..config import ConfigError
+
+    try:
+        filesystem, root = open_store(uri)
+        if isinstance(filesystem, pafs.LocalFileSystem):
+            filesystem.create_dir(root, recursive=True)
+            if filesystem.get_file_info(root).type != pafs.FileType.Directory:
+                raise OSError(f"{root} is not a folder")
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise ConfigError(f"sketch.store {uri!r} cannot be used as a feature store: {err}") from None
 
 
 @dataclass

@@ -227,3 +227,44 @@ def test_packed_plan_is_deterministic():
     a = make_plan(ids, cl, nt, 4, 4, 2, 2, seed=11, packing=True, max_tokens_per_micro_batch=2048).plan
     b = make_plan(ids, cl, nt, 4, 4, 2, 2, seed=11, packing=True, max_tokens_per_micro_batch=2048).plan
     pd.testing.assert_frame_equal(a, b)
+
+
+@pytest.mark.parametrize("strategy", ["cluster", "random"])
+def test_packing_splits_packs_when_no_light_recut_fits(strategy):
+    """4 rows whose best-fit packs (3) are no multiple of W = 2, and no light re-cut fits the cap: one pack is
+    split in two (a part of a pack fits too), nothing is dropped. Fewer rows than packs needed: a clear error."""
+    res = make_plan(["a", "b", "c", "d"], [1, 0, 1, 0], [35, 46, 97, 23], world_size=2, micro_batch_size=1,
+                    strategy=strategy, packing=True, max_tokens_per_micro_batch=100)
+    assert check_plan(res.plan, 2, 1, 1, max_tokens_per_micro_batch=100) == 2
+    assert sorted(res.plan["example_id"]) == ["a", "b", "c", "d"] and len(res.dropped) == 0
+    with pytest.raises(ValueError, match="more packs than examples: raise train.max_tokens_per_micro_batch"):
+        make_plan(["a", "b", "c"], [0, 1, 0], [90, 95, 99], world_size=2, micro_batch_size=1, strategy=strategy,
+                  packing=True, max_tokens_per_micro_batch=100)
+
+
+def test_packing_never_refuses_a_possible_plan():
+    """Random small inputs (W in 2, 4, 8; G in 1, 2; lengths up to the cap): whenever there are at least as
+    many rows as whole steps need packs, the plan is made, keeps the hard rules and every row once per epoch."""
+    rng = np.random.default_rng(0)
+    made = 0
+    for t in range(150):
+        n, w, g = int(rng.integers(4, 60)), int(rng.choice([2, 4, 8])), int(rng.choice([1, 2]))
+        cap = int(rng.choice([100, 512]))
+        nt = np.minimum(rng.lognormal(np.log(cap / 3), 0.7, n).astype(np.int64) + 1, cap)
+        if n < w * g:
+            continue
+        packs = int(bfd(np.sort(nt)[::-1], cap).max()) + 1
+        possible = -(-packs // (w * g)) * w * g <= n
+        ids = [f"r{i}" for i in range(n)]
+        for strategy in ("cluster", "random"):
+            try:
+                res = make_plan(ids, rng.integers(0, 4, n), nt, w, 1, g, 2, strategy=strategy, seed=t,
+                                packing=True, max_tokens_per_micro_batch=cap)
+            except ValueError as err:
+                assert not possible and "more packs than examples" in str(err), (t, strategy, err)
+                continue
+            made += 1
+            check_plan(res.plan, w, 1, g, max_tokens_per_micro_batch=cap)
+            assert (res.plan.groupby(["epoch", "example_id"]).size() == 1).all()
+            assert res.plan.groupby("epoch")["example_id"].nunique().tolist() == [n, n]
+    assert made > 150

@@ -255,3 +255,16 @@ def test_few_missing_rows_are_sketched_here_with_the_same_shards_and_values(tiny
         compute_sketches(t, str(tiny_dir), CFG, str(tmp_path / "fail"), shard_rows=4, in_process_rows=10,
                          fail_on_shard=1)
     assert [f.name[:11] for f in (tmp_path / "fail").glob("shard-*.parquet")] == ["shard-00000"]
+
+
+def test_a_store_that_cannot_be_one_is_refused_before_any_work(tmp_path):
+    from ray_cluster_ft.config import ConfigError
+    from ray_cluster_ft.features.feature_store import check_store
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    for bad, why in ((str(a_file), "afile"), ("foo://x", "foo"), (str(a_file / "under"), "under")):
+        with pytest.raises(ConfigError, match=r"sketch.store .* cannot be used as a feature store"):
+            check_store(bad)
+    check_store(str(tmp_path / "new" / "store"))  # a folder that does not exist yet is made
+    assert (tmp_path / "new" / "store").is_dir()
