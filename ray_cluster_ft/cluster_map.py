@@ -37,7 +37,7 @@ __all__ = [
     "load_cluster_map",
     "map_labels",
     "nearest_distances",
-        "refit_kmeans",
+    "refit_kmeans",
     "save_cluster_map",
 ]
 
