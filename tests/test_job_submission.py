@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,9 +22,10 @@ import urllib.request
 from pathlib import Path
 
 import pandas as pd
-import psutil
 import pytest
 import yaml
+
+from tests._processes import stop_started
 
 pytestmark = pytest.mark.slow
 
@@ -86,18 +86,7 @@ def ray_head():
             time.sleep(1)
         yield url, token
     finally:
-        procs = psutil.Process(head.pid).children(recursive=True) if head.poll() is None else []
-        head.send_signal(signal.SIGTERM)  # --block: drains, then stops the processes it started
-        try:
-            head.wait(60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-        _, alive = psutil.wait_procs(procs, timeout=20)
-        for p in alive:  # only descendants of the head started above
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        stop_started([head])
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -18,7 +18,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,9 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
+
+from tests._processes import stop_started
 
 pytestmark = pytest.mark.slow
 
@@ -60,24 +60,6 @@ def _node_ports() -> list[str]:
     return [f"{f}={_free_port()}" for f in flags] + [f"--min-worker-port={lo}", f"--max-worker-port={lo + 40}"]
 
 
-def _stop(proc: subprocess.Popen, log) -> None:
-    """SIGTERM the ``ray start --block`` process started here, then any of its descendants still alive."""
-    procs = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    _, alive = psutil.wait_procs(procs, timeout=20)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    log.close()
-
-
 def _rows() -> list[dict]:
     code = [{"question": f"Write a Python function that returns {i} times x.",
              "answer": f"def times_{i}(x):\n    return {i} * x", "domain": "code"} for i in range(8)]
@@ -107,7 +89,7 @@ def two_nodes():
     head_cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
                 "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
                 f"--temp-dir={tmp / 'head'}", "--disable-usage-stats", *_node_ports()]
-    head_log = open(tmp / "head.log", "w")  # noqa: SIM115 - closed in _stop
+    head_log = open(tmp / "head.log", "w")  # noqa: SIM115 - closed after stop_started
     head = subprocess.Popen(head_cmd, env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
     node = node_log = None
     try:
@@ -125,7 +107,7 @@ def two_nodes():
                              "--num-gpus=0", f"--temp-dir={tmp / 'node'}", "--disable-usage-stats", *_node_ports()])
         # Mounts in the new namespace are private (unshare's default): the tmpfs hides ~/.cache from this node only.
         script = f"mkdir -p {home_cache} && mount -t tmpfs -o ro,size=1m tmpfs {home_cache} && exec {node_cmd}"
-        node_log = open(tmp / "node.log", "w")  # noqa: SIM115 - closed in _stop
+        node_log = open(tmp / "node.log", "w")  # noqa: SIM115 - closed after stop_started
         node = subprocess.Popen(["unshare", "-m", "sh", "-c", script], env=env, stdout=node_log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         wait_for_node = ("import ray, time\n"
@@ -139,9 +121,10 @@ def two_nodes():
             pytest.fail(f"the second node did not join: {up.stderr[-2000:]}\n{(tmp / 'node.log').read_text()[-2000:]}")
         yield f"127.0.0.1:{port}", tmp / "head", tmp / "node", env
     finally:
-        if node is not None:
-            _stop(node, node_log)
-        _stop(head, head_log)
+        stop_started([p for p in (node, head) if p is not None])
+        for log in (node_log, head_log):
+            if log is not None:
+                log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
