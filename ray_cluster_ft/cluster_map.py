@@ -12,7 +12,7 @@ of another kind (:func:`check_features`, naming the mismatch), assigns every row
 map's metric (:func:`assign_to_map`; a row that run clustered keeps its cluster there, :func:`map_labels`), and
 measures drift (:func:`drift`): the share of the rows that are new to the map (ids absent from that run's
 ``clusters.parquet``) lying farther from every centroid than that run's 95th percentile. Above ``clustering.max_drift`` the manifest and report suggest clustering again. With
-``clustering.refit: true`` k-means is warm-started from the map's centroids (:func:`refit_kmeans`) instead.
+``clustering.refit: true`` k-means is warm-started from the map's centroids (:func:`ray_cluster_ft.clustering.refit_kmeans`) instead.
 
 Pure functions except :func:`save_cluster_map`, :func:`load_cluster_map` and :func:`map_labels` (file I/O).
 """
@@ -20,13 +20,12 @@ Pure functions except :func:`save_cluster_map`, :func:`load_cluster_map` and :fu
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .capped_kmeans import _CHUNK_ROWS, _as_matrix, _centre_distances
+from .capped_kmeans import _CHUNK_ROWS, _as_matrix, _centre_distances, _normalise_rows
 
 __all__ = [
     "CENTROIDS_FILE",
@@ -37,7 +36,6 @@ __all__ = [
     "load_cluster_map",
     "map_labels",
     "nearest_distances",
-    "refit_kmeans",
     "save_cluster_map",
 ]
 
@@ -102,8 +100,6 @@ def nearest_distances(x: np.ndarray, centroids: np.ndarray, metric: str) -> tupl
 def _rows_for(x, algorithm: str) -> np.ndarray:
     """The rows as the algorithm sees them: unit rows for ``spherical`` (zero rows refused), as given for
     ``kmeans``."""
-    from .clustering import _normalise_rows
-
     arr = _as_matrix(x)
     return _normalise_rows(arr) if algorithm == "spherical" else arr
 
@@ -299,54 +295,3 @@ def map_labels(run_dir: str, example_ids, k: int) -> np.ndarray:
         raise ConfigError(f"clustering.from_run {run_dir}: clusters.parquet names clusters outside the map's 0..{k - 1}")
     where = pd.Index(old.column("example_id").to_numpy(zero_copy_only=False).astype(str)).get_indexer(ids)
     return np.where(where >= 0, lab[np.maximum(where, 0)], -1)
-
-
-def refit_kmeans(xs: np.ndarray, init: np.ndarray, algorithm: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """k-means warm-started from a map's centroids (``clustering.refit: true``): Lloyd iterations from ``init``,
-    one start, no k-means++.
-
-    ``spherical``: scikit-learn ``KMeans(init=init, n_init=1, algorithm="lloyd")`` on the unit rows (above
-    :data:`~ray_cluster_ft.clustering.MINIBATCH_THRESHOLD` rows ``MiniBatchKMeans`` with the same init on a
-    seeded sample of at most ``_FIT_ROWS`` rows, then every row to its most cosine-similar centre), centroids
-    the renormalised means of each cluster (as :func:`~ray_cluster_ft.clustering.spherical_kmeans`).
-    ``kmeans``: ``KMeans(init=init, n_init=1)`` on the rows as given (the published clustering, warm-started).
-
-    Args:
-        xs: float32 ``(N, d)``: unit rows for ``spherical``.
-        init: float32 ``(k, d)`` the map's centroids, k <= N.
-        algorithm: ``spherical`` or ``kmeans``.
-        seed: random state (mini-batch sampling).
-
-    Returns:
-        ``(labels int32 (N,), centroids float32 (k, d))``; a cluster may come back empty (the caller drops it).
-
-    Raises:
-        ValueError: more centroids than rows.
-    """
-    from sklearn.cluster import KMeans, MiniBatchKMeans
-    from sklearn.exceptions import ConvergenceWarning
-
-    from .clustering import _FIT_ROWS, MINIBATCH_THRESHOLD, _centroids_of
-
-    n, k = xs.shape[0], init.shape[0]
-    if k > n:
-        raise ValueError(f"refit_kmeans: the map has {k} centroids, more than the {n} rows to cluster")
-    init = np.ascontiguousarray(init, dtype=np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        if algorithm == "kmeans":
-            km = KMeans(n_clusters=k, init=init, n_init=1, random_state=seed).fit(xs)
-            return km.labels_.astype(np.int32), np.asarray(km.cluster_centers_, dtype=np.float32)
-        if n > MINIBATCH_THRESHOLD:
-            rows = np.sort(np.random.default_rng([seed, 2]).choice(n, size=min(n, _FIT_ROWS), replace=False))
-            fit = MiniBatchKMeans(n_clusters=k, init=init, n_init=1, batch_size=4096, max_no_improvement=10,
-                                  random_state=seed, compute_labels=False).fit(xs[rows])
-            centres = np.asarray(fit.cluster_centers_, dtype=np.float32)
-            centres /= np.maximum(np.linalg.norm(centres, axis=1, keepdims=True), 1e-12)
-            labels, _ = nearest_distances(xs, centres, "cosine")
-        else:
-            labels = KMeans(n_clusters=k, init=init, n_init=1, random_state=seed, algorithm="lloyd").fit(xs).labels_
-    labels = labels.astype(np.int32)
-    centroids, sizes = _centroids_of(xs, labels, k)
-    centroids[sizes == 0] = init[sizes == 0]
-    return labels, centroids

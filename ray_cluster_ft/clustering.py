@@ -29,6 +29,7 @@ import scipy.sparse as sp
 
 from .capped_kmeans import (
     _CHUNK_ROWS,
+    _normalise_rows,
     _as_matrix,
     _capped,
     _check_k,
@@ -130,32 +131,6 @@ def auto_k(n: int, world_size: int) -> int:
         raise ValueError(f"auto_k: world_size must be a positive integer, got {world_size!r}")
     k = min(_AUTO_K_MAX, int(round(math.sqrt(n / 10.0))))
     return int(min(int(n), max(2 * int(world_size), k)))
-
-
-def _row_norms(x: np.ndarray) -> np.ndarray:
-    """L2 norm of each row, (N,), in chunks of ``_CHUNK_ROWS`` rows (the unchunked ``np.linalg.norm`` builds a
-    1 GiB square temporary at 10^6 x 256 and cost about 2 s per call on a shared core)."""
-    out = np.empty(x.shape[0], dtype=np.float64 if x.dtype == np.float64 else np.float32)
-    for lo in range(0, x.shape[0], _CHUNK_ROWS):
-        out[lo : lo + _CHUNK_ROWS] = np.linalg.norm(x[lo : lo + _CHUNK_ROWS], axis=1)
-    return out
-
-
-def _normalise_rows(x: np.ndarray, name: str = "x") -> np.ndarray:
-    """Rows divided by their L2 norm (float32). A zero row has no direction, so it is an error.
-
-    Rows already of unit norm come back as the same array (no copy: at 10^6 x 256 a copy is 1 GiB)."""
-    norms = _row_norms(x)
-    if x.dtype == np.float32 and np.all(np.abs(norms - 1.0) <= 1e-6):
-        return x
-    zero = norms <= np.finfo(np.float32).tiny
-    if zero.any():
-        bad = np.flatnonzero(zero)
-        raise ValueError(
-            f"{name} has {bad.size} all-zero rows (first: row {int(bad[0])}); a zero sketch has no direction "
-            f"to cluster by (was the example's loss masked out entirely?)"
-        )
-    return (x / norms[:, None]).astype(np.float32, copy=False)
 
 
 def _centroids_of(xn: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -409,7 +384,7 @@ def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_clu
     goes to its nearest map centroid in the map's metric (:func:`ray_cluster_ft.cluster_map.assign_to_map`: cosine
     for a ``spherical`` map, squared Euclidean for ``kmeans``), and the drift of the new rows is measured against
     the map's 95th-percentile distance (:func:`ray_cluster_ft.cluster_map.drift`). With ``refit``, k-means
-    is then warm-started from the map's centroids (:func:`ray_cluster_ft.cluster_map.refit_kmeans`). Then as
+    is then warm-started from the map's centroids (:func:`refit_kmeans`). Then as
     :func:`cluster_sketches`: clusters left empty are dropped, for ``spherical`` those below
     ``min_cluster_size`` are dissolved into their nearest surviving centroid (point-wise); the map's centroids are
     kept as they are (with ``refit``, recomputed after a merge); the soft cap applies; distances are to the final
@@ -431,7 +406,7 @@ def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_clu
         ValueError: as :func:`cluster_sketches`' input checks; a feature size other than the map's; with
             ``refit``, more map centroids than rows.
     """
-    from .cluster_map import assign_to_map, drift, nearest_distances, refit_kmeans
+    from .cluster_map import assign_to_map, drift, nearest_distances
 
     arr = _as_matrix(x)
     if arr.shape[1] != cmap.centroids.shape[1]:
@@ -626,3 +601,55 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
         summary["warning"] = warning
         print(f"[ray-cluster-ft] warning: {warning}", flush=True)
     return res, summary
+
+
+def refit_kmeans(xs: np.ndarray, init: np.ndarray, algorithm: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """k-means warm-started from a map's centroids (``clustering.refit: true``): Lloyd iterations from ``init``,
+    one start, no k-means++.
+
+    ``spherical``: scikit-learn ``KMeans(init=init, n_init=1, algorithm="lloyd")`` on the unit rows (above
+    :data:`~ray_cluster_ft.clustering.MINIBATCH_THRESHOLD` rows ``MiniBatchKMeans`` with the same init on a
+    seeded sample of at most ``_FIT_ROWS`` rows, then every row to its most cosine-similar centre), centroids
+    the renormalised means of each cluster (as :func:`~ray_cluster_ft.clustering.spherical_kmeans`).
+    ``kmeans``: ``KMeans(init=init, n_init=1)`` on the rows as given (the published clustering, warm-started).
+
+    Args:
+        xs: float32 ``(N, d)``: unit rows for ``spherical``.
+        init: float32 ``(k, d)`` the map's centroids, k <= N.
+        algorithm: ``spherical`` or ``kmeans``.
+        seed: random state (mini-batch sampling).
+
+    Returns:
+        ``(labels int32 (N,), centroids float32 (k, d))``; a cluster may come back empty (the caller drops it).
+
+    Raises:
+        ValueError: more centroids than rows.
+    """
+    from sklearn.cluster import KMeans, MiniBatchKMeans
+    from sklearn.exceptions import ConvergenceWarning
+
+    from .cluster_map import nearest_distances
+
+
+    n, k = xs.shape[0], init.shape[0]
+    if k > n:
+        raise ValueError(f"refit_kmeans: the map has {k} centroids, more than the {n} rows to cluster")
+    init = np.ascontiguousarray(init, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        if algorithm == "kmeans":
+            km = KMeans(n_clusters=k, init=init, n_init=1, random_state=seed).fit(xs)
+            return km.labels_.astype(np.int32), np.asarray(km.cluster_centers_, dtype=np.float32)
+        if n > MINIBATCH_THRESHOLD:
+            rows = np.sort(np.random.default_rng([seed, 2]).choice(n, size=min(n, _FIT_ROWS), replace=False))
+            fit = MiniBatchKMeans(n_clusters=k, init=init, n_init=1, batch_size=4096, max_no_improvement=10,
+                                  random_state=seed, compute_labels=False).fit(xs[rows])
+            centres = np.asarray(fit.cluster_centers_, dtype=np.float32)
+            centres /= np.maximum(np.linalg.norm(centres, axis=1, keepdims=True), 1e-12)
+            labels, _ = nearest_distances(xs, centres, "cosine")
+        else:
+            labels = KMeans(n_clusters=k, init=init, n_init=1, random_state=seed, algorithm="lloyd").fit(xs).labels_
+    labels = labels.astype(np.int32)
+    centroids, sizes = _centroids_of(xs, labels, k)
+    centroids[sizes == 0] = init[sizes == 0]
+    return labels, centroids

@@ -14,8 +14,8 @@ from ray_cluster_ft.cluster_map import (
     drift,
     load_cluster_map,
     nearest_distances,
-    refit_kmeans,
 )
+from ray_cluster_ft.clustering import refit_kmeans
 from ray_cluster_ft.config import ConfigError, parse_config
 from ray_cluster_ft.features.feature_store import feature_settings
 from ray_cluster_ft.rundir import prepare_run_dir
