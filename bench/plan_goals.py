@@ -9,9 +9,12 @@ Clusters: a real clustering of real sketches (model gradients) is too slow for a
 each said in the output:
 
 - ``tfidf``: the pipeline's clustering (:func:`ray_cluster_ft.clustering.cluster_sketches`, spherical k-means,
-  seed 0, the published soft cap ``max_cluster_ratio: 1.5``) on a cheap text feature instead of the sketches:
-  TF-IDF of word 1-2-grams hashed to 2^16 columns, reduced to 64 dimensions by a seeded truncated SVD.
-  Clusters then follow topic (and so, partly, source and length), as a real clustering would.
+  seed 0, soft cap ``max_cluster_ratio: 1.5`` counting tokens, as ``clustering.cap_by: auto`` does with
+  ``allocation.packing``) on a cheap text feature instead of the sketches: TF-IDF of word 1-2-grams hashed to
+  2^16 columns, reduced to 64 dimensions by a seeded truncated SVD. Clusters then follow topic (and so, partly,
+  source and length), as a real clustering would.
+- ``tfidf_rowcap``: the same with the published cap counting rows (``clustering.cap_by: rows``): a cluster of
+  long rows can still hold more than 1/W of the tokens.
 - ``tfidf_uncapped``: the same feature, plain scikit-learn k-means (no cap): some clusters then hold more
   than 1/W of the tokens, and a cluster with more packs than there are steps must sit on two ranks at some
   step; ``forced_collisions_per_step`` gives that floor.
@@ -68,10 +71,10 @@ def real_rows(max_seq_len: int):
     return ids, texts, np.minimum(n_tokens, max_seq_len)
 
 
-def tfidf_labels(texts: list, k: int, capped: bool = True) -> np.ndarray:
+def tfidf_labels(texts: list, k: int, cap: str | None = "tokens", n_tokens=None) -> np.ndarray:
     """Cluster labels of hashed TF-IDF reduced to 64 dimensions (the documented proxy of a clustering): the
-    pipeline's spherical k-means with the published soft cap ``max_cluster_ratio: 1.5`` (``capped``), or plain
-    scikit-learn k-means (cluster sizes uncapped)."""
+    pipeline's spherical k-means with the soft cap ``max_cluster_ratio: 1.5`` counting ``cap`` (``tokens``:
+    ``n_tokens``; ``rows``: the published cap), or (``cap=None``) plain scikit-learn k-means, uncapped."""
     from sklearn.cluster import KMeans
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import HashingVectorizer, TfidfTransformer
@@ -80,11 +83,12 @@ def tfidf_labels(texts: list, k: int, capped: bool = True) -> np.ndarray:
     x = HashingVectorizer(n_features=2**16, ngram_range=(1, 2), alternate_sign=False).transform(texts)
     x = TfidfTransformer().fit_transform(x)
     z = normalize(TruncatedSVD(64, random_state=0).fit_transform(x)).astype(np.float32)
-    if not capped:
+    if cap is None:
         return KMeans(k, n_init=3, random_state=0).fit_predict(z).astype(np.int64)
     from ray_cluster_ft.clustering import cluster_sketches
 
-    return np.asarray(cluster_sketches(z, k=k, seed=0, max_cluster_ratio=1.5).labels, dtype=np.int64)
+    weights = n_tokens if cap == "tokens" else None
+    return np.asarray(cluster_sketches(z, k=k, seed=0, max_cluster_ratio=1.5, weights=weights).labels, dtype=np.int64)
 
 
 def one(ids, labels, n_tokens, w: int, cap: int) -> dict:
@@ -130,17 +134,19 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(1)
     result = {"rows": int(ids.size), "max_tokens_per_micro_batch": args.max_tokens, "max_seq_len": args.max_seq_len,
               "mean_tokens": float(n_tokens.mean()), "cluster_proxies": {
-                  "tfidf": "k-means on hashed TF-IDF (1-2-grams) -> 64-d truncated SVD; not the pipeline's sketches",
+                  "tfidf": "k-means on hashed TF-IDF (1-2-grams) -> 64-d truncated SVD; not the pipeline's sketches; "
+                           "soft cap 1.5 counting tokens (tfidf_rowcap: counting rows; tfidf_uncapped: none)",
                   "random": "seeded uniform labels, independent of length"}, "runs": {}}
     head = (f"{'labels':>14} {'W':>2} {'k':>3} {'arm':>17} {'max/mean':>9} {'worst':>7} {'fill':>6} {'1-cluster':>9} "
             f"{'coll/step rows':>14} {'(majority)':>10} {'cp/bound':>8} {'s':>6}")
     print(head)
     misses = []
-    for proxy in ("tfidf", "tfidf_uncapped", "random"):
+    caps = {"tfidf": "tokens", "tfidf_rowcap": "rows", "tfidf_uncapped": None}
+    for proxy in ("tfidf", "tfidf_rowcap", "tfidf_uncapped", "random"):
         for w in (4, 8):
             for k in (2 * w, 4 * w):
                 labels = (rng.integers(0, k, ids.size) if proxy == "random"
-                          else tfidf_labels(texts, k, capped=proxy == "tfidf"))
+                          else tfidf_labels(texts, k, caps[proxy], n_tokens))
                 res = one(ids, labels, n_tokens, w, args.max_tokens)
                 result["runs"][f"{proxy}_W{w}_k{k}"] = res
                 for arm, m in res.items():

@@ -302,7 +302,7 @@ def select_and_plan(features, n_tokens, cfg: JobConfig, *, example_ids=None) -> 
     if needs_clusters(cfg):
         if x is None:
             raise ValueError("select_and_plan: this config clusters the examples: it needs their features")
-        res, table = cluster_with_config(cfg, ids, x)
+        res, table = cluster_with_config(cfg, ids, x, n_tokens=tok)
         clusters, labels, dist = table.to_pandas(), res.labels, res.dist
     sel = select_with_config(cfg, n_candidates=len(ids), sketches=x if labels is not None else None,
                              labels=labels, dist=dist, n_tokens=tok).result

@@ -131,26 +131,31 @@ def _candidates(x: np.ndarray, centroids: np.ndarray, metric: str, t: int) -> tu
     return idx, dist
 
 
-def _greedy_capped(cand: np.ndarray, time: np.ndarray, room: np.ndarray) -> np.ndarray:
+def _greedy_capped(cand: np.ndarray, time: np.ndarray, room: np.ndarray,
+                   weight: np.ndarray | None = None) -> np.ndarray:
     """First-come greedy assignment under capacities, computed in rounds instead of one event at a time.
 
     The rule (the published loop): events (row, candidate) happen in ``time`` order; a row not yet placed takes
-    the candidate if that cluster still has room. Equivalently each row takes its first candidate whose cluster
-    was not full at that event's time. Knowing the fill times of some clusters, every row tentatively takes its
-    first candidate not full at that time; the earliest tentative fill among the other clusters is then exact
-    (before it, the tentative and the sequential runs place every row alike), so it is fixed and the round
-    repeats: at most K rounds of O(M t) array work, where the loop costs O(M t) Python steps.
+    the candidate if that cluster is not full yet. A cluster is full from the event that brings its load
+    (rows, or the rows' ``weight``) to ``room``: with weights the last row taken may overshoot ``room`` by less
+    than its own weight. Equivalently each row takes its first candidate whose cluster was not full at that
+    event's time. Knowing the fill times of some clusters, every row tentatively takes its first candidate not
+    full at that time; the earliest tentative fill among the other clusters is then exact (before it, the
+    tentative and the sequential runs place every row alike), so it is fixed and the round repeats: at most K
+    rounds of O(M t) array work, where the loop costs O(M t) Python steps.
 
     Args:
         cand: int (M, t) candidate clusters of each row, in the row's order of preference.
         time: int64 (M, t) time of each event, non-decreasing along a row; two rows never share a time.
-        room: int (K,) places left in each cluster.
+        room: int (K,) load left in each cluster (rows, or weight units).
+        weight: int64 (M,) positive load of each row; None = 1 per row (the published count cap).
 
     Returns:
         int64 (M,) the cluster each row takes, -1 where every candidate was full at its time.
     """
     m, k = cand.shape[0], room.shape[0]
     rows = np.arange(m)
+    wt = np.ones(m, dtype=np.int64) if weight is None else np.asarray(weight, dtype=np.int64)
     fixed = room <= 0
     fill = np.where(fixed, -1, np.iinfo(np.int64).max)  # time of a cluster's filling event; later ones refused
     while True:
@@ -159,22 +164,25 @@ def _greedy_capped(cand: np.ndarray, time: np.ndarray, room: np.ndarray) -> np.n
         took = ok[rows, first]
         lab = np.where(took, cand[rows, first], -1)
         free = took & ~fixed[np.maximum(lab, 0)]
-        cl, at = lab[free], time[rows, first][free]
-        counts = np.bincount(cl, minlength=k)
-        over = np.flatnonzero(~fixed & (counts >= room))
+        cl, at, w = lab[free], time[rows, first][free], wt[free]
+        load = np.bincount(cl, weights=w, minlength=k)  # float64: exact for integer loads below 2^53
+        over = np.flatnonzero(~fixed & (load >= room))
         if over.size == 0:
             return lab
         mine = np.isin(cl, over)  # only the overflowing clusters' events need sorting
-        cl, at = cl[mine], at[mine]
+        cl, at, w = cl[mine], at[mine], w[mine]
         srt = np.lexsort((at, cl))
+        cum = np.cumsum(w[srt])
         starts = np.searchsorted(cl[srt], over)
-        when = at[srt][starts + room[over] - 1]  # the event that used a cluster's last place
+        before = np.where(starts > 0, cum[np.maximum(starts - 1, 0)], 0)
+        last = np.searchsorted(cum, before + room[over], side="left")  # the event that filled each cluster
+        when = at[srt][last]
         j = int(np.argmin(when))
         fill[over[j]], fixed[over[j]] = when[j], True
 
 
 def soft_cap_labels(x, centroids, ratio: float, metric: Literal["sqeuclidean", "cosine"] = "sqeuclidean",
-                    topk: int = _CAP_TOPK) -> tuple[np.ndarray, int]:
+                    topk: int = _CAP_TOPK, weights=None) -> tuple[np.ndarray, int]:
     """Reassign points to fixed centroids under a soft cap on cluster sizes (``clustering.max_cluster_ratio``).
 
     The published rule (arXiv 2609.12584; kaist-dmlab/CluSTER ``src/CluSTER/call_back.py``,
@@ -188,18 +196,26 @@ def soft_cap_labels(x, centroids, ratio: float, metric: Literal["sqeuclidean", "
     ``argpartition``/``argsort``). The sequential pair loop is replaced by the equivalent rounds of
     :func:`_greedy_capped`.
 
+    With ``weights`` (ours, ``clustering.cap_by: tokens``; not in the paper) the cap counts weight instead of
+    points: cap = ceil(ratio * sum(weights) / K), and a point is taken while its candidate's load is below the
+    cap (so a cluster may end above it by less than one point's weight). Packed plans need this: a cluster
+    holding more than 1/W of the tokens must sit on two ranks at some step, whatever its point count.
+
     Args:
         x: (N, d) rows; unit rows for ``cosine``.
         centroids: (K, d) centres; unit rows for ``cosine``.
         ratio: cap factor, > 1.
         metric: ``sqeuclidean`` (the published one) or ``cosine`` (``1 - x.c``, the spherical path).
         topk: candidate centroids per point in the first pass (>= 1).
+        weights: int (N,) positive load per point (tokens), or None to count points.
 
     Returns:
-        (labels int32 (N,) in 0..K-1 with every cluster at most ``cap``, cap).
+        (labels int32 (N,) in 0..K-1, cap): every cluster holds at most ``cap`` points (no weights), or its load
+        minus its last point's weight is below ``cap`` (weights).
 
     Raises:
-        ValueError: ratio <= 1, unknown metric, topk < 1, shape mismatch.
+        ValueError: ratio <= 1, unknown metric, topk < 1, shape mismatch, weights not positive integers of
+            shape (N,).
     """
     xm, cent = _as_matrix(x), _as_matrix(centroids, "centroids")
     if not ratio > 1:
@@ -208,31 +224,50 @@ def soft_cap_labels(x, centroids, ratio: float, metric: Literal["sqeuclidean", "
         raise ValueError(f"bad soft-cap arguments: metric={metric!r}, topk={topk!r}, "
                          f"centroids {cent.shape} for rows {xm.shape}")
     n, k = xm.shape[0], cent.shape[0]
-    cap = math.ceil(_exact(ratio) * n / k)
+    wt = _check_weights(weights, n)
+    cap = math.ceil(_exact(ratio) * (n if wt is None else int(wt.sum())) / k)
     t = min(int(topk), k)
     idx, dist = _candidates(xm, cent, metric, t)
     when = np.empty(n * t, dtype=np.int64)
     when[np.argsort(dist.ravel(), kind="stable")] = np.arange(n * t)
-    labels = _greedy_capped(idx, when.reshape(n, t), np.full(k, cap, dtype=np.int64))
+    labels = _greedy_capped(idx, when.reshape(n, t), np.full(k, cap, dtype=np.int64), wt)
     left = np.flatnonzero(labels < 0)
     if left.size:  # every one of their topk candidates was full: search all centroids, in index order
-        room = cap - np.bincount(labels[labels >= 0], minlength=k)
+        placed = labels >= 0
+        room = cap - np.bincount(labels[placed], weights=None if wt is None else wt[placed], minlength=k)
         full, _ = _candidates(xm[left], cent, metric, k)
         step = np.broadcast_to(np.arange(left.size, dtype=np.int64)[:, None], full.shape)
-        labels[left] = _greedy_capped(full, step, room)
+        labels[left] = _greedy_capped(full, step, room.astype(np.int64), None if wt is None else wt[left])
     left = np.flatnonzero(labels < 0)
-    if left.size:  # the published last resort; cap * K >= N makes it unreachable for ratio > 1
+    if left.size:  # the published last resort; cap * K >= total load makes it unreachable for ratio > 1
         labels[left] = np.argmin(_centre_distances(xm[left], cent, metric), axis=1)
     return labels.astype(np.int32), cap
 
 
-def _capped(x, labels, centroids, ratio, metric) -> tuple[np.ndarray, Optional[int]]:
+def _capped(x, labels, centroids, ratio, metric, weights=None) -> tuple[np.ndarray, Optional[int]]:
     """:func:`soft_cap_labels` when the largest cluster is above ``ratio * N / K`` (the published trigger in
-    ``_kmeans_prune_equalize_interleave``), else the labels unchanged and no cap."""
-    n, k = labels.shape[0], centroids.shape[0]
-    if ratio is None or np.bincount(labels, minlength=k).max() <= _exact(ratio) * n / k:
+    ``_kmeans_prune_equalize_interleave``; with ``weights``, its load above ``ratio * sum(weights) / K``), else
+    the labels unchanged and no cap."""
+    k = centroids.shape[0]
+    if ratio is None:
         return labels, None
-    return soft_cap_labels(x, centroids, ratio, metric)
+    wt = _check_weights(weights, labels.shape[0])
+    load = np.bincount(labels, weights=wt, minlength=k)
+    total = labels.shape[0] if wt is None else int(wt.sum())
+    if load.max() <= _exact(ratio) * total / k:
+        return labels, None
+    return soft_cap_labels(x, centroids, ratio, metric, weights=wt)
+
+
+def _check_weights(weights, n: int) -> np.ndarray | None:
+    """``weights`` as int64 (n,) of positive integers (None stays None), else ValueError."""
+    if weights is None:
+        return None
+    w = np.asarray(weights)
+    if w.shape != (n,) or not np.issubdtype(w.dtype, np.integer) or (w.size and int(w.min()) < 1):
+        raise ValueError(f"weights must be positive integers of shape ({n},) (tokens per row), got "
+                         f"{w.dtype} {w.shape}" + (f" with minimum {w.min()}" if w.size and w.ndim == 1 else ""))
+    return w.astype(np.int64, copy=False)
 
 
 def _exact(ratio: float) -> Fraction:

@@ -90,7 +90,8 @@ class ClusterResult:
         n_merged_clusters: clusters smaller than ``min_cluster_size`` (or empty) that were dissolved into
             their nearest surviving centroids (``kmeans``: empty clusters dropped).
         algorithm: ``spherical`` or ``kmeans``.
-        cap: the soft cap on cluster sizes when ``max_cluster_ratio`` fired (:func:`soft_cap_labels`), else None.
+        cap: the soft cap on cluster sizes when ``max_cluster_ratio`` fired (:func:`soft_cap_labels`), else None:
+            rows, or tokens when the cap weighed rows by their tokens (``clustering.cap_by``).
         from_run: with ``clustering.from_run`` (:func:`cluster_from_map`): ``{"run_dir", "refit", "map_k",
             "map_clusters" (the map cluster each cluster is), "drift"}`` (:func:`ray_cluster_ft.cluster_map.drift`),
             else None.
@@ -324,6 +325,7 @@ def cluster_sketches(
     min_cluster_size: int = 2,
     algorithm: Literal["spherical", "kmeans"] = "spherical",
     max_cluster_ratio: Optional[float] = None,
+    weights: Optional[np.ndarray] = None,
 ) -> ClusterResult:
     """The Cluster stage: k-means, then small clusters merged (spherical only), the soft cap, distances.
 
@@ -342,6 +344,8 @@ def cluster_sketches(
         min_cluster_size: ``spherical``: clusters below this size are dissolved; unused by ``kmeans``.
         algorithm: ``spherical`` or ``kmeans``.
         max_cluster_ratio: the soft cap's factor (> 1), or None for no cap.
+        weights: int (N,) tokens per row: the cap then counts tokens (:func:`soft_cap_labels` ``weights``);
+            None counts rows (the published cap).
 
     Returns:
         :class:`ClusterResult` with contiguous labels and distances to the final centroids.
@@ -357,7 +361,7 @@ def cluster_sketches(
     if algorithm == "kmeans":
         arr = _as_matrix(x)
         labels, dist, centroids = euclidean_kmeans(arr, _resolve_k(k, arr.shape[0], world_size), seed)
-        labels, cap = _capped(arr, labels, centroids, max_cluster_ratio, "sqeuclidean")
+        labels, cap = _capped(arr, labels, centroids, max_cluster_ratio, "sqeuclidean", weights)
         if cap is not None:
             dist = _sq_distance(arr, labels, centroids)
         labels, centroids, n_empty = _drop_empty(labels, centroids)
@@ -369,14 +373,15 @@ def cluster_sketches(
     k_final = int(labels.max()) + 1
     if n_merged:
         centroids, _ = _centroids_of(xn, labels, k_final)
-    labels, cap = _capped(xn, labels, centroids, max_cluster_ratio, "cosine")
+    labels, cap = _capped(xn, labels, centroids, max_cluster_ratio, "cosine", weights)
     dist = _own_distance(xn, labels, centroids)
     return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=k_final, n_merged_clusters=n_merged,
                          cap=cap)
 
 
 def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_cluster_size: int = 2,
-                     max_cluster_ratio: float | None = None, max_drift: float = 0.2, seed: int = 0) -> ClusterResult:
+                     max_cluster_ratio: float | None = None, max_drift: float = 0.2, seed: int = 0,
+                     weights: np.ndarray | None = None) -> ClusterResult:
     """Cluster with an earlier run's map (``clustering.from_run``) instead of from scratch.
 
     A row the map's run clustered keeps its cluster there (``known``: k-means stops near, not at, the fixed point
@@ -396,7 +401,7 @@ def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_clu
         known: int ``(N,)`` each row's cluster in the map's run, -1 for a new row
             (:func:`ray_cluster_ft.cluster_map.map_labels`).
         refit: warm-start k-means from the map.
-        min_cluster_size, max_cluster_ratio, seed: as :func:`cluster_sketches`.
+        min_cluster_size, max_cluster_ratio, seed, weights: as :func:`cluster_sketches`.
         max_drift: ``clustering.max_drift``.
 
     Returns:
@@ -439,7 +444,7 @@ def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_clu
     centroids = np.ascontiguousarray(centroids[kept])
     if refit and spherical and moving.any():
         centroids, _ = _centroids_of(xs, labels, kept.size)
-    labels, cap = _capped(xs, labels, centroids, max_cluster_ratio, metric)
+    labels, cap = _capped(xs, labels, centroids, max_cluster_ratio, metric, weights)
     dist = _own_distance(xs, labels, centroids) if spherical else _sq_distance(xs, labels, centroids)
     info["map_clusters"] = kept.tolist()
     return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=int(kept.size),
@@ -491,7 +496,28 @@ def drift_warning(d: dict, refit: bool = False) -> str:
             f"clustering.max_drift={d['max_drift']:g}: {advice}")
 
 
-def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None) -> tuple:
+def _cap_unit(cfg) -> str:
+    by = cfg.clustering.cap_by
+    return by if by != "auto" else ("tokens" if cfg.allocation.packing else "rows")
+
+
+def cap_weights(cfg, n_tokens) -> np.ndarray | None:
+    """What ``clustering.max_cluster_ratio`` counts: ``n_tokens`` (int64 (N,)) when ``clustering.cap_by`` is
+    ``tokens``, or ``auto`` with ``allocation.packing`` (a packed step gives every rank the same tokens, so a
+    cluster above 1/W of the tokens must sit on two ranks at some step whatever its row count); None (rows,
+    the published cap) otherwise.
+
+    Raises:
+        ValueError: tokens are to be counted and ``n_tokens`` is None.
+    """
+    if _cap_unit(cfg) == "rows":
+        return None
+    if n_tokens is None:
+        raise ValueError("clustering.cap_by counts tokens: pass n_tokens")
+    return np.asarray(n_tokens, dtype=np.int64)
+
+
+def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None, n_tokens=None) -> tuple:
     """The pure part of :func:`run` (also :func:`ray_cluster_ft.select_and_plan`'s): :func:`cluster_sketches`
     with the job's ``clustering`` settings and world size, and the ``clusters.parquet`` table. With
     ``clustering.from_run`` it reads that run's map and assignment (``centroids.parquet``, ``clusters.parquet``:
@@ -504,6 +530,7 @@ def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None
         features: the feature stage's summary (``feature_key``, ``feature_key_of``, ``normalisation``): with
             ``from_run`` the map's features must match it (:func:`ray_cluster_ft.cluster_map.check_features`);
             ``None`` compares only the feature size and ``sketch`` settings.
+        n_tokens: int ``(N,)`` tokens per row, for a cap that counts tokens (:func:`cap_weights`).
 
     Returns:
         ``(ClusterResult, pyarrow.Table)``: the table has ``example_id`` (string), ``cluster`` (int32),
@@ -516,6 +543,7 @@ def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None
     import pyarrow as pa
 
     c = cfg.clustering
+    weights = cap_weights(cfg, n_tokens) if c.max_cluster_ratio is not None else None
     if c.from_run:
         from .cluster_map import check_features, load_cluster_map, map_labels
         from .features.feature_store import feature_settings
@@ -525,17 +553,17 @@ def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None
         known = map_labels(cmap.run_dir, example_ids, cmap.centroids.shape[0])
         res = cluster_from_map(sketches, cmap, known, refit=c.refit,
                                min_cluster_size=c.min_cluster_size, max_cluster_ratio=c.max_cluster_ratio,
-                               max_drift=c.max_drift, seed=c.seed)
+                               max_drift=c.max_drift, seed=c.seed, weights=weights)
     else:
         res = cluster_sketches(sketches, c.k, cfg.train.num_workers, c.seed, c.min_cluster_size,
-                               algorithm=c.algorithm, max_cluster_ratio=c.max_cluster_ratio)
+                               algorithm=c.algorithm, max_cluster_ratio=c.max_cluster_ratio, weights=weights)
     table = pa.table({"example_id": example_ids, "cluster": res.labels.astype(np.int32),
                       "distance": res.dist.astype(np.float32)})
     return res, table
 
 
 def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, resume: bool = False,
-        features: dict | None = None) -> tuple:
+        features: dict | None = None, n_tokens: np.ndarray | None = None) -> tuple:
     """The cluster stage's edge: :func:`cluster_with_config` on the features (from scratch, or with
     ``clustering.from_run`` on that run's map), ``clusters.parquet`` written (``example_id``, ``cluster`` int32,
     ``distance`` float32 to the final centroid: ``1 - cos`` for ``clustering.algorithm: spherical``, the squared
@@ -550,11 +578,12 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
         sketches: float32 ``(N, d)``.
         resume: the stopped run's ``clusters.parquet`` must hold the same assignment.
         features: the feature stage's summary (recorded in the map; checked against ``from_run``'s).
+        n_tokens: int64 ``(N,)`` tokens per row (a cap that counts tokens, :func:`cap_weights`).
 
     Returns:
         ``(ClusterResult, summary)``: the summary is the manifest's ``clustering`` entry (k, merged clusters,
-        sizes, ``algorithm``, ``capped: true`` and ``cap`` when the soft cap fired, ``p95_distance`` of the
-        map written, ``from_run`` (:attr:`ClusterResult.from_run`) and the :func:`clustering_warning` and
+        sizes, ``algorithm``, ``capped: true``, ``cap`` and ``cap_by`` (rows or tokens) when the soft cap fired,
+        ``p95_distance`` of the map written, ``from_run`` (:attr:`ClusterResult.from_run`) and the :func:`clustering_warning` and
         drift warning when there are any).
 
     Raises:
@@ -572,7 +601,7 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
     W = cfg.train.num_workers
     from .cluster_map import CENTROIDS_FILE, save_cluster_map
 
-    res, table = cluster_with_config(cfg, example_ids, sketches, features)
+    res, table = cluster_with_config(cfg, example_ids, sketches, features, n_tokens)
     if resume:
         same_as_before(run_dir / "clusters.parquet", table, ["example_id", "cluster"])
     pq.write_table(table, claim(run_dir, "clusters.parquet"))
@@ -582,7 +611,7 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
                "sizes": np.bincount(res.labels).tolist(), "algorithm": res.algorithm,
                "p95_distance": meta["p95_distance"]}
     if res.cap is not None:
-        summary.update(capped=True, cap=int(res.cap))
+        summary.update(capped=True, cap=int(res.cap), cap_by=_cap_unit(cfg))
     if res.from_run is not None:
         summary["from_run"] = res.from_run
         d = res.from_run["drift"]

@@ -185,7 +185,9 @@ class ClusteringConfig(_Section):
     clusters merged) or ``kmeans`` (the published Euclidean ``KMeans(n_init=10)``, k clusters kept, no merging).
     ``max_cluster_ratio``: the published soft cap (null = off): when the largest cluster holds more than
     ratio * N / K points, points are reassigned under a cap of ceil(ratio * N / K) (cosine distance for
-    ``spherical``).
+    ``spherical``). ``cap_by``: what the cap counts: ``rows`` (the published cap), ``tokens`` (ours: ratio x
+    all tokens / K), or ``auto`` = tokens with ``allocation.packing`` (a packed cluster holding more than 1/W
+    of the tokens must sit on two ranks at some step), rows otherwise.
     """
 
     k: Union[int, Literal["auto", "world_size"]] = "auto"
@@ -193,7 +195,10 @@ class ClusteringConfig(_Section):
     min_cluster_size: int = Field(2, ge=1, description="spherical only: smaller clusters are merged into their nearest")
     algorithm: Literal["spherical", "kmeans"] = "spherical"
     max_cluster_ratio: float | None = Field(
-        None, gt=1, description="soft cap on cluster sizes, ceil(ratio * N / K) points; null = off")
+        None, gt=1, description="soft cap on cluster sizes, ceil(ratio * N / K) points (or tokens, cap_by); "
+                                "null = off")
+    cap_by: Literal["auto", "rows", "tokens"] = Field(
+        "auto", description="what max_cluster_ratio counts: rows, tokens, or auto = tokens with allocation.packing")
     from_run: str | None = Field(
         None, min_length=1, description="an earlier run directory whose cluster map (centroids) is reused: every row "
                                         "is assigned to its nearest centroid instead of clustering again")

@@ -85,7 +85,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
             sketches = feats.sketches
             with timer.stage("cluster"):
                 cres, manifest["clustering"] = clustering.run(cfg, run_dir, example_ids=ids, sketches=sketches,
-                                                              resume=resume, features=feats.summary)
+                                                              resume=resume, features=feats.summary,
+                                                              n_tokens=n_tokens)
             labels, dist = cres.labels, cres.dist
         with timer.stage("select"):
             sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist,

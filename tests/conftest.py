@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+# One OpenMP thread for the whole session, set before torch or scikit-learn start their thread pools. The
+# pinned plan hashes (tests/test_plan_pin.py) hold for a fixed thread count: a float sum split over two threads
+# rounds differently, and k-means can then break a near-tie the other way. Before, the count depended on which
+# module ran first (the ray_cpu fixture set it), so a pinned test passed in the full suite and failed alone.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 
 def shared_data_dir() -> Path | None:
     """``../shared/data`` beside the checkout (or ``$RAY_CLUSTER_FT_SHARED_DATA``), if present."""
@@ -35,7 +41,6 @@ def ray_cpu():
     """A local Ray with 2 CPUs for the module's tests; CPU workers get ``DS_ACCELERATOR=cpu``."""
     import ray
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}})
     yield ray
     ray.shutdown()

@@ -135,13 +135,15 @@ def test_cluster_sketches_auto_k():
 # --- the published clustering: Euclidean k-means, k = world size, the soft cap ----------------------------------
 
 
-def _published_soft_cap(x, centroids, ratio, metric="sqeuclidean", topk=8):
+def _published_soft_cap(x, centroids, ratio, metric="sqeuclidean", topk=8, weights=None):
     """Brute-force reference: the sequential loops of the published kmeans_soft_cap_fit_predict
-    (kaist-dmlab/CluSTER src/CluSTER/call_back.py), one pair at a time, on the same distance matrix."""
+    (kaist-dmlab/CluSTER src/CluSTER/call_back.py), one pair at a time, on the same distance matrix.
+    ``weights``: a point adds its weight to its cluster's load instead of 1 (``cap_by: tokens``)."""
     from fractions import Fraction
 
     n, k = x.shape[0], centroids.shape[0]
-    cap = -(-Fraction(repr(ratio)) * n // k)  # ceil(ratio * n / k) on the decimal ratio
+    w = np.ones(n, dtype=int) if weights is None else np.asarray(weights)
+    cap = -(-Fraction(repr(ratio)) * int(w.sum()) // k)  # ceil(ratio * load / k) on the decimal ratio
     dmat = capped_kmeans._centre_distances(np.asarray(x, np.float32), np.asarray(centroids, np.float32), metric)
     t = min(topk, k)
     nn_idx = np.argsort(dmat, axis=1, kind="stable")[:, :t]
@@ -152,11 +154,11 @@ def _published_soft_cap(x, centroids, ratio, metric="sqeuclidean", topk=8):
     for i, r in zip(pairs_i[order], pairs_r[order]):
         j = nn_idx[i, r]
         if labels[i] == -1 and counts[j] < cap:
-            labels[i], counts[j] = j, counts[j] + 1
+            labels[i], counts[j] = j, counts[j] + w[i]
     for i in np.flatnonzero(labels == -1):
         for j in np.argsort(dmat[i], kind="stable"):
             if counts[j] < cap:
-                labels[i], counts[j] = j, counts[j] + 1
+                labels[i], counts[j] = j, counts[j] + w[i]
                 break
     return labels, cap
 
@@ -213,6 +215,56 @@ def test_soft_cap_matches_the_published_loop(metric):
         assert cap == want_cap
         np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
         assert np.bincount(got, minlength=k).max() <= cap
+
+
+@pytest.mark.parametrize("metric", ["sqeuclidean", "cosine"])
+def test_token_weighted_cap_matches_the_sequential_loop(metric):
+    # cap_by: tokens: the same greedy loop with each point's tokens as its load.
+    rng = np.random.default_rng(12)
+    for trial in range(25):
+        n, k, d = int(rng.integers(10, 150)), int(rng.integers(2, 14)), int(rng.integers(2, 5))
+        x = rng.normal(size=(n, d))
+        x[: n // 2] = 0.1 * x[: n // 2] + 2.0
+        if metric == "cosine":
+            x = x + 1e-3
+            x /= np.linalg.norm(x, axis=1, keepdims=True)
+        c = x[rng.choice(n, size=k, replace=False)] + 0.01 * rng.normal(size=(k, d))
+        if metric == "cosine":
+            c /= np.linalg.norm(c, axis=1, keepdims=True)
+        tokens = rng.integers(1, 600, size=n) * (1 + 9 * (np.arange(n) < n // 3))  # long rows crowd one region
+        ratio, topk = float(rng.choice([1.05, 1.2, 1.5])), int(rng.integers(1, 9))
+        got, cap = clustering.soft_cap_labels(x.astype(np.float32), c.astype(np.float32), ratio, metric, topk,
+                                              weights=tokens)
+        want, want_cap = _published_soft_cap(x, c, ratio, metric, topk, weights=tokens)
+        assert cap == want_cap
+        np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
+        load = np.bincount(got, weights=tokens, minlength=k)
+        last = np.array([tokens[got == j].max() if (got == j).any() else 0 for j in range(k)])
+        assert (load - last < cap).all()  # over the cap by less than one row
+
+
+def test_token_cap_by_hand():
+    # Two centroids on a line; four points near the first, one at the second; tokens 10, 10, 10, 170, 100, so
+    # cap = ceil(1.2 * 300 / 2) = 180 tokens. A point is taken while its cluster's load is below the cap.
+    x = np.array([[0.0], [0.1], [0.2], [0.3], [10.0]], dtype=np.float32)
+    c = np.array([[0.0], [10.0]], dtype=np.float32)
+    tokens = np.array([10, 10, 10, 170, 100])
+    # Nearest first: loads 10, 20, 30, then the 170-token point is taken (30 < 180): nothing moves.
+    labels, cap = clustering.soft_cap_labels(x, c, 1.2, weights=tokens)
+    assert cap == 180
+    np.testing.assert_array_equal(labels, [0, 0, 0, 0, 1])
+    # The 170-token point nearest: 170, then a 10 (170 < 180) fills it to 180; the two farther points go to
+    # their second choice. Counting points instead, cap = ceil(1.2 * 5 / 2) = 3 and only the farthest moves.
+    x2 = np.array([[0.3], [0.1], [0.2], [0.0], [10.0]], dtype=np.float32)
+    labels, _ = clustering.soft_cap_labels(x2, c, 1.2, weights=tokens)
+    np.testing.assert_array_equal(labels, [1, 0, 1, 0, 1])
+    labels, cap = clustering.soft_cap_labels(x2, c, 1.2)
+    assert cap == 3
+    np.testing.assert_array_equal(labels, [1, 0, 0, 0, 1])
+    with pytest.raises(ValueError, match="positive integers"):
+        clustering.soft_cap_labels(x, c, 1.2, weights=np.array([1, 2, 0, 1, 1]))
+    with pytest.raises(ValueError, match="positive integers"):
+        clustering.soft_cap_labels(x, c, 1.2, weights=np.ones(4, dtype=int))
 
 
 def test_kmeans_with_cap_is_kmeans_then_the_cap():
@@ -292,6 +344,45 @@ def test_run_reports_the_cap(tmp_path):
     res, summary = clustering.run(cfg, run_dir, example_ids=ids, sketches=x)
     assert summary["algorithm"] == "kmeans" and summary["capped"] is True and summary["cap"] == 55
     assert max(summary["sizes"]) <= 55 and sum(summary["sizes"]) == 100
+
+
+def test_run_caps_tokens_when_packing(tmp_path):
+    # The same lopsided data; the small cluster's rows are 10x longer, so it holds half the tokens. Counting
+    # rows (cap 55) the 90-row cluster is cut; counting tokens (cap_by auto with packing: ceil(1.1 * 1800 / 2)
+    # = 990 tokens) the long rows' cluster is over its share instead and the cap moves tokens, not rows.
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.normal(size=(90, 4)), rng.normal(size=(10, 4)) + 9]).astype(np.float32)
+    ids = np.asarray([f"id{i}" for i in range(100)])
+    tokens = np.array([10] * 90 + [90] * 10)
+    base = {"clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.1},
+            "train": {"num_workers": 2, "max_tokens_per_micro_batch": 512}, "allocation": {"packing": True}}
+    cfg, run_dir = _stage(tmp_path, base)
+    res, summary = clustering.run(cfg, run_dir, example_ids=ids, sketches=x, n_tokens=tokens)
+    plain = clustering.euclidean_kmeans(x, 2, seed=0)[0]
+    load = np.bincount(plain, weights=tokens)
+    assert load.max() <= 1.1 * tokens.sum() / 2  # 900 and 900 tokens: no cap fires, though the rows are 90/10
+    assert "capped" not in summary
+    np.testing.assert_array_equal(res.labels, plain)
+    # Five more long rows in the small cluster: 1350 of 2250 tokens, above 1.1 x 2250 / 2 = 1237.5.
+    x2 = np.concatenate([x, rng.normal(size=(5, 4)).astype(np.float32) + 9])
+    tokens2 = np.concatenate([tokens, [90] * 5])
+    ids2 = np.asarray([f"id{i}" for i in range(105)])
+    cfg2, run2 = _stage(tmp_path / "b", base)
+    res2, summary2 = clustering.run(cfg2, run2, example_ids=ids2, sketches=x2, n_tokens=tokens2)
+    assert summary2["capped"] is True and summary2["cap_by"] == "tokens" and summary2["cap"] == 1238
+    load2 = np.bincount(res2.labels, weights=tokens2)
+    assert (load2 - 90 < 1238).all() and load2.max() < 1350
+    c2 = clustering.euclidean_kmeans(x2, 2, seed=0)[2]
+    want, _ = clustering.soft_cap_labels(x2, c2, 1.1, weights=tokens2)
+    np.testing.assert_array_equal(res2.labels, want)
+    # cap_by: rows keeps the published cap: 58 rows at most (ceil(1.1 * 105 / 2)).
+    cfg3, run3 = _stage(tmp_path / "c", {**base, "clustering": {**base["clustering"], "cap_by": "rows"}})
+    _, summary3 = clustering.run(cfg3, run3, example_ids=ids2, sketches=x2, n_tokens=tokens2)
+    assert summary3["cap_by"] == "rows" and summary3["cap"] == 58 and max(summary3["sizes"]) <= 58
+    # Tokens are needed to count them.
+    cfg4, run4 = _stage(tmp_path / "d", base)
+    with pytest.raises(ValueError, match="pass n_tokens"):
+        clustering.run(cfg4, run4, example_ids=ids2, sketches=x2)
 
 
 def test_too_few_clusters_after_merging_is_refused_unless_shared_clusters_are_allowed(tmp_path):

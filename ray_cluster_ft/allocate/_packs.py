@@ -150,9 +150,18 @@ def _rank_groups(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, tol
         gap = int(loads[h] - loads[lo])
         sizes = [int(nt[g].sum()) for g in bins[h]]
         movable = [j for j, t in enumerate(sizes) if t < gap]  # moving it narrows the gap
-        if movable:
+        swap = _best_swap(sizes, [int(nt[g].sum()) for g in bins[lo]], gap)
+        if movable and (swap is None or abs(gap - 2 * max(sizes[j] for j in movable)) <= abs(gap - 2 * swap[2])):
             j = max(movable, key=lambda jj: sizes[jj])
             grp = bins[h].pop(j)
+        elif swap is not None:  # trading a group for a smaller one narrows the gap without splitting a cluster
+            a_, b_, d = swap
+            ga, gb = bins[h].pop(a_), bins[lo].pop(b_)
+            bins[lo].append(ga)
+            bins[h].append(gb)
+            loads[h] -= d
+            loads[lo] += d
+            continue
         else:
             j = int(np.argmin(sizes))
             g = bins[h][j]
@@ -171,6 +180,18 @@ def _rank_groups(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, tol
         cat = np.concatenate(b) if b else np.empty(0, dtype=np.int64)
         out.append(cat[np.lexsort((-nt[cat], code[cat]))] if cat.size else cat)
     return out
+
+
+def _best_swap(heavy: list[int], light: list[int], gap: int):
+    """The trade of a heavy-side group for a light-side one whose token difference ``d`` (0 < d < gap) brings
+    the two loads closest together (|gap - 2d| least); None when no trade narrows the gap."""
+    best = None
+    for i, a in enumerate(heavy):
+        for j, b in enumerate(light):
+            d = a - b
+            if 0 < d < gap and (best is None or abs(gap - 2 * d) < abs(gap - 2 * best[2])):
+                best = (i, j, d)
+    return best
 
 
 def _light_packs(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, per_rank: int, cap: int,

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from ray_cluster_ft.allocate import check_plan, make_plan, plan_metrics
-from ray_cluster_ft.allocate._packs import _even_count, _pack_stats, bfd
+from ray_cluster_ft.allocate._packs import _even_count, _pack_stats, _rank_groups, bfd
 
 
 def _bfd_reference(lengths, cap):
@@ -135,6 +135,19 @@ def test_even_count_recuts_without_losing_rows():
         if n_light:  # the light packs of one step carry nearly equal tokens
             light = tokens[-n_light:]
             assert light.max() / light.mean() < 1.3
+
+
+def test_rank_groups_trades_groups_before_splitting_a_cluster():
+    # Five clusters of 8, 7, 6, 5, 4 tokens (one-token rows) on 2 ranks. LPT gives 8+5+4 = 17 and 7+6 = 13;
+    # no single group moves without overshooting (gap 4), but trading 8 for 6 gives 15 and 15, with every
+    # cluster on one rank (splitting the 4-token cluster, the old way, put it on both ranks).
+    code = np.repeat(np.arange(5), [8, 7, 6, 5, 4])
+    nt = np.ones(code.size, dtype=np.int64)
+    parts = _rank_groups(np.arange(code.size), code, nt, 2, 0.05)
+    assert sorted(int(nt[p].sum()) for p in parts) == [15, 15]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(code.size))
+    owners = [set(code[p].tolist()) for p in parts]
+    assert not owners[0] & owners[1] and owners[0] | owners[1] == set(range(5))
 
 
 def test_packing_errors():
