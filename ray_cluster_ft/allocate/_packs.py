@@ -214,12 +214,29 @@ def _light_packs(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, per
         if part.size < per_rank:
             return None
         inner = _cut_points(np.cumsum(nt[part]), np.empty(0, dtype=np.int64), per_rank, 0.0)
-        if inner is None:
-            return None
-        pid = np.repeat(np.arange(per_rank), np.diff(inner))
-        if np.bincount(pid, weights=nt[part], minlength=per_rank).max() > cap:
-            return None
+        pid = None if inner is None else np.repeat(np.arange(per_rank), np.diff(inner))
+        if pid is None or np.bincount(pid, weights=nt[part], minlength=per_rank).max() > cap:
+            # Runs of long rows overshoot the cap where a run boundary falls badly: deal the rows instead,
+            # longest first to the lightest pack (LPT), which packs the same rows more evenly.
+            pid = _lpt(nt[part], per_rank)
+            if np.bincount(pid, weights=nt[part], minlength=per_rank).max() > cap:
+                return None
         out[[pos[int(x)] for x in part.tolist()]] = r * per_rank + pid
+    return out
+
+
+def _lpt(lengths: np.ndarray, bins: int) -> np.ndarray:
+    """Longest processing time first: each item, longest first, to the least loaded of ``bins`` bins (ties: the
+    lower bin). Returns int64 (n,) the bin of each item, in the input order; every bin gets an item when
+    n >= bins."""
+    import heapq
+
+    heap = [(0, b) for b in range(bins)]
+    out = np.empty(lengths.size, dtype=np.int64)
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        load, b = heapq.heappop(heap)
+        out[i] = b
+        heapq.heappush(heap, (load + int(lengths[i]), b))
     return out
 
 
@@ -252,14 +269,38 @@ def _split_packs(rows: np.ndarray, ptr: np.ndarray, nt: np.ndarray, x: int, unit
     return _csr(pid, np.concatenate(packs), nt, len(packs))
 
 
+_RECUT_TRIES = 8  # pools tried for the light re-cut of _even_count (each W x G packs more than the last)
+_MIN_SINGLE = 0.9  # a larger pool is tried only while single-cluster packs stay at least this share
+
+
+def _light_collisions(code: np.ndarray, pack: np.ndarray, per_rank: int, g: int) -> int:
+    """Collisions (a cluster on two ranks of one step, counted per cluster and extra rank) of light re-cut packs
+    laid out as :func:`cluster_epoch` lays them: pack ``r * per_rank + i`` is rank r's, in light step i // g."""
+    rank, step = pack // per_rank, (pack % per_rank) // g
+    trip = np.unique(np.stack([step, code, rank]), axis=1)
+    return int(trip.shape[1] - np.unique(trip[:2], axis=1).shape[1])
+
+
+def _single_packs(code: np.ndarray, pack: np.ndarray, m: int) -> int:
+    """How many of packs 0..m-1 hold rows of one cluster only (``pack[i]``: the pack of a row of ``code[i]``)."""
+    lo = np.full(m, np.iinfo(np.int64).max)
+    hi = np.full(m, np.iinfo(np.int64).min)
+    np.minimum.at(lo, pack, code)
+    np.maximum.at(hi, pack, code)
+    return int((lo == hi).sum())
+
+
 def _even_count(rows, ptr, code, nt, cap: int, w: int, g: int, prefer_mixed: bool = True):
     """Make the number of packs a multiple of W x G without dropping a row.
 
-    With P packs, ``x = -P mod (W G)`` more are needed. The mixed packs and, as needed, the least full ones
-    (``prefer_mixed``; otherwise the least full ones only; ``y`` packs in all, ``y + x`` a multiple of W x G) are re-cut by :func:`_light_packs` into ``y + x``
-    lighter packs of nearly equal tokens that fill whole steps of their own, so they do not unbalance a step
-    of full packs, and that share few clusters across ranks. ``y`` grows by W x G until the re-cut fits
-    ``cap`` (then smaller ``y`` are tried).
+    With P packs, ``x = -P mod (W G)`` more are needed. The mixed packs and, as needed, single-cluster packs
+    round-robin over clusters (``prefer_mixed``; otherwise the least full packs only; ``y`` packs in all,
+    ``y + x`` a multiple of W x G) are re-cut by :func:`_light_packs` into ``y + x`` lighter packs of nearly
+    equal tokens that fill whole steps of their own, so they do not unbalance a step of full packs, and that
+    share few clusters across ranks. ``y`` grows by W x G until the re-cut fits ``cap`` (then smaller ``y`` are
+    tried); with ``prefer_mixed``, up to ``_RECUT_TRIES`` pools that fit are compared and the one whose light
+    steps have the fewest collisions (:func:`_light_collisions`; the first on ties) is kept, provided a larger
+    pool leaves at least ``_MIN_SINGLE`` of all packs single-cluster.
 
     Returns (rows, ptr, n_light): a multiple of W x G packs (unchanged when P already is one), the re-cut ones
     last (``n_light`` of them, a multiple of W x G; 0 when nothing was re-cut), ordered rank-major: rank r's
@@ -296,17 +337,29 @@ def _even_count(rows, ptr, code, nt, cap: int, w: int, g: int, prefer_mixed: boo
         pick_order = np.lexsort((np.arange(p), tokens))  # the least full
         j0 = 1
     j_max = -(-(p + x) // unit)
-    cut = None
+    best = None
+    tries = 0
     for j in [*range(j0, j_max + 1), *range(1, j0)]:
         y = min(unit * j - x, p)
         m = y + x
         chosen = pick_order[:y]
         sel_rows = np.concatenate([rows[ptr[q]:ptr[q + 1]] for q in chosen.tolist()])
         cut = _light_packs(sel_rows, code, nt, w, m // w, cap)
-        if cut is not None:
+        if cut is None:
+            continue
+        # A pool dominated by one cluster (the loose rows of a cluster of long rows fill the mixed packs) must
+        # spread it over several ranks; a few more re-cut packs, drawn round-robin over clusters, dilute it, as
+        # long as single-cluster packs stay at least _MIN_SINGLE of all.
+        split = _light_collisions(code[sel_rows], cut, m // w, g)
+        single = int((key[pick_order[y:]] >= 0).sum()) + _single_packs(code[sel_rows], cut, m)
+        if best is None or (split < best[0] and single >= _MIN_SINGLE * (p + x)):
+            best = (split, m, chosen, sel_rows, cut)
+        tries += 1
+        if best[0] == 0 or tries == _RECUT_TRIES or not prefer_mixed:
             break
-    if cut is None:
+    if best is None:
         return (*_split_packs(rows, ptr, nt, x, unit, cap), 0)
+    _, m, chosen, sel_rows, cut = best
     keep = np.setdiff1d(np.arange(p), chosen)
     kept_rows = np.concatenate([rows[ptr[q]:ptr[q + 1]] for q in keep.tolist()]) if keep.size else rows[:0]
     kept_pid = np.repeat(np.arange(keep.size), sizes[keep])

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from ray_cluster_ft.allocate import check_plan, make_plan, plan_metrics
-from ray_cluster_ft.allocate._packs import _even_count, _pack_stats, _rank_groups, bfd
+from ray_cluster_ft.allocate._packs import _even_count, _light_collisions, _lpt, _pack_stats, _rank_groups, bfd
 
 
 def _bfd_reference(lengths, cap):
@@ -148,6 +148,23 @@ def test_rank_groups_trades_groups_before_splitting_a_cluster():
     assert sorted(np.concatenate(parts).tolist()) == list(range(code.size))
     owners = [set(code[p].tolist()) for p in parts]
     assert not owners[0] & owners[1] and owners[0] | owners[1] == set(range(5))
+
+
+def test_lpt_and_light_collisions_known_answers():
+    # LPT: 9, 7, 6, 5, 4, 3 into 3 bins -> 9 | 7 | 6, then 5 -> bin 2 (6), 4 -> bin 1 (7), 3 -> bin 0 (9):
+    # loads 12, 11, 11.
+    lengths = np.array([3, 9, 4, 7, 5, 6])
+    got = _lpt(lengths, 3)
+    np.testing.assert_array_equal(got, [0, 0, 1, 1, 2, 2])
+    assert np.bincount(got, weights=lengths).tolist() == [12, 11, 11]
+    # Light packs of 2 ranks x 2 packs, one pack per step (g = 1): pack r * 2 + i is rank r's, in step i.
+    # Cluster 5 in packs 0 (rank 0, step 0) and 2 (rank 1, step 0): one collision; cluster 6 in packs 1 and 3
+    # (both step 1): one; cluster 7 in packs 0 and 3 (different steps): none.
+    code = np.array([5, 5, 6, 6, 7, 7])
+    pack = np.array([0, 2, 1, 3, 0, 3])
+    assert _light_collisions(code, pack, per_rank=2, g=1) == 2
+    # With g = 2 both packs of a rank are one step: every shared cluster collides once.
+    assert _light_collisions(code, pack, per_rank=2, g=2) == 3
 
 
 def test_packing_errors():
