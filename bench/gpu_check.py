@@ -5,6 +5,11 @@
 2. One bf16 training step of the demo model through ``deepspeed.initialize`` with ZeRO-2 and ZeRO-3,
    gradient checkpointing on, NCCL, world size 1 (2 with ``--world 2`` on a two-GPU machine, launched with
    torchrun), against the fp32 CPU loss of the same micro-batch; peak GPU memory and tokens/s.
+3. Packed micro-batches (``allocation.packing``): the rows concatenated into one pack (``position_ids``
+   restarting per example, no attention mask) through ``sdpa`` and, where ``flash_attn`` is installed,
+   ``flash_attention_2`` varlen (``cu_seq_lens_q/k``), forward and backward in bf16, against the same rows'
+   fp32 CPU loss: the relative loss error, and the gradient's relative error and cosine to the per-example fp32
+   gradient.
 
     python bench/gpu_check.py                      # one GPU
     python bench/gpu_check.py --device cpu --rows 2  # a dry run of the script's logic on a CPU (no NCCL)
@@ -108,6 +113,44 @@ def _reference_loss(model_dir: str, rows) -> float:
     return float(total) / float(sum((torch.as_tensor(r[1][1:]) != -100).sum() for r in rows))
 
 
+def _packed_check(model_dir: str, rows, device: str, attn: str) -> dict:
+    """Packed forward + backward of ``rows`` on ``device`` (bf16 on CUDA) with attention ``attn`` against the
+    per-example fp32 CPU passes: loss relative error, gradient relative error and cosine (all parameters)."""
+    import torch
+
+    from ray_cluster_ft.model import load_model
+    from ray_cluster_ft.train.step import micro_batch_to_device, token_exact_loss
+
+    def grad_of(model, dev, packed, attn_kw):
+        model.zero_grad(set_to_none=True)
+        batch = {"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]}
+        if packed:
+            mb = micro_batch_to_device(batch, 0, dev, packed=True, flash_attn_kwargs=attn_kw)
+            extra = {k: mb[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if k in mb}
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False,
+                           **extra).logits
+            total = token_exact_loss(logits, mb["labels"], mb["weight"])
+        else:  # one example at a time: no padding, no mask, nothing shared
+            total = 0.0
+            for ids, lab in zip(batch["input_ids"], batch["labels"]):
+                one = micro_batch_to_device({"input_ids": [ids], "labels": [lab]}, 0, dev)
+                logits = model(input_ids=one["input_ids"], attention_mask=one["attention_mask"], use_cache=False).logits
+                total = total + token_exact_loss(logits, one["labels"], one["weight"])
+        total.backward()
+        g = torch.cat([p.grad.float().reshape(-1).cpu() for p in model.parameters() if p.grad is not None])
+        return float(total), g
+
+    cuda = device == "cuda"
+    ref_loss, ref_g = grad_of(load_model(model_dir).train(), "cpu", False, False)
+    model = load_model(model_dir, dtype=torch.bfloat16 if cuda else None, attn_implementation=attn).train()
+    model = model.to(device)
+    loss, g = grad_of(model, torch.device(device), True, attn == "flash_attention_2")
+    g, ref_g = g.double(), ref_g.double()  # 10^8 terms: float32 norms drift past a cosine of 1
+    return {"loss_rel_err": abs(loss - ref_loss) / ref_loss,
+            "grad_rel_err": float((g - ref_g).norm() / ref_g.norm()),
+            "grad_cosine": float(g @ ref_g / (g.norm() * ref_g.norm()))}
+
+
 def _init_process_group(device: str) -> None:
     import torch.distributed as dist
 
@@ -133,6 +176,9 @@ def main(argv=None) -> dict:
 
     model_dir = resolve_model_path("demo")
     rows = _rows(load_tokenizer(model_dir), args.rows, args.max_len)
+    if len(rows) < args.rows:
+        raise SystemExit(f"gpu_check: only {len(rows)} fixture rows keep a response token at --max-len "
+                         f"{args.max_len}; raise --max-len")
     fig: dict = {"device": args.device, "rows": len(rows), "max_len": args.max_len}
     if args.device == "cuda":
         import torch
@@ -143,6 +189,12 @@ def main(argv=None) -> dict:
     for name in ("gradient", "last_layer"):
         fig[f"{name}_rel_err"] = _rel(got[name], ref[name])
         fig[f"{name}_s"] = got[name + "_s"]
+    import importlib.util
+
+    attns = ["sdpa"] + (["flash_attention_2"] if args.device == "cuda" and importlib.util.find_spec("flash_attn")
+                        else [])
+    for attn in attns:
+        fig.update({f"packed_{attn}_{k}": v for k, v in _packed_check(model_dir, rows, args.device, attn).items()})
     fig["reference_loss"] = _reference_loss(model_dir, rows)
     _init_process_group(args.device)
     for zero in (2, 3):

@@ -1,0 +1,31 @@
+"""``bench/gpu_check.py`` stays runnable: its ``--device cpu`` dry run on the demo model, in a subprocess (it
+starts a process group), reproduces the fp32 CPU references it checks a GPU against."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # loads the demo model five times: about 30 s on 2 cores
+def test_gpu_check_dry_run_matches_its_references():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--rows", "2",
+                           "--max-len", "64"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fig = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fig["device"] == "cpu" and fig["rows"] == 2
+    # On the CPU in fp32 the "device" path is the reference path: errors are rounding only.
+    for key in ("gradient_rel_err", "last_layer_rel_err", "packed_sdpa_loss_rel_err", "packed_sdpa_grad_rel_err",
+                "zero2_loss_rel_err", "zero3_loss_rel_err"):
+        assert 0.0 <= fig[key] < 1e-5, (key, fig[key])
+    assert fig["packed_sdpa_grad_cosine"] == pytest.approx(1.0, abs=1e-9)
+    assert fig["reference_loss"] > 0 and fig["zero2_tokens_per_s"] > 0
