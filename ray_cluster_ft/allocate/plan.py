@@ -423,51 +423,63 @@ def make_plan(
         )
     if strategy == "cluster_per_rank":
         return cluster_per_rank_plan(ids, cl, nt, w, b, g, n_epochs, seed)
-    n_keep = (n // unit) * unit
-    n_drop = n - n_keep
-    n_slots = n_keep // (w * b)
-    steps_per_epoch = n_slots // g
-
+    n_drop = n - (n // unit) * unit
+    steps_per_epoch = (n - n_drop) // (w * b * g)
     if strategy in ("random", "length"):
         drop = np.sort(_rng(seed, _TAG_DROP).choice(n, size=n_drop, replace=False)).astype(np.int64)
-        kept = np.setdiff1d(np.arange(n), drop)
-        mb_rows_all, scheds = [], []
-        for e in range(n_epochs):
-            perm = _rng(seed, _TAG_ORDER, e).permutation(kept)
-            base = e * n_slots * w
-            if strategy == "length":
-                srt = perm[np.argsort(nt[perm], kind="stable")]
-                mbs_e = srt.reshape(-1, b)  # (n_slots * W, B), by length
-                costs_e = b * nt[mbs_e].max(axis=1)
-                slots = np.arange(n_slots * w).reshape(n_slots, w)  # W neighbours in length per slot
-                step_slots = slots[_rng(seed, _TAG_SLOTS, e).permutation(n_slots)].reshape(steps_per_epoch, g, w)
-                mb_rows_all.append(mbs_e)
-                scheds.append(base + _assign_ranks(step_slots, costs_e, _rng(seed, _TAG_RANKS, e)))
-                continue
-            per_rank = perm.reshape(-1, w).T  # rank r: perm[r::W], like DistributedSampler
-            mbs = per_rank.reshape(w, steps_per_epoch, g, b)
-            mb_rows_all.append(mbs.reshape(-1, b))
-            ids_grid = base + np.arange(w * n_slots).reshape(w, steps_per_epoch, g)
-            scheds.append(ids_grid.transpose(1, 2, 0))  # step, micro_index, rank
-        mb_rows = np.concatenate(mb_rows_all)
-        sched = np.stack(scheds)
+        mb_rows, sched = _sampler_epochs(nt, np.setdiff1d(np.arange(n), drop), w, b, g, n_epochs, strategy, seed)
     else:
-        # Epoch 0 is cut with the seed itself (so a one-epoch plan is what it always was); epoch e >= 1 re-cuts
-        # the same kept rows with seed + e and a length jitter, so micro-batch composition changes per epoch.
-        slots, mb_rows, costs, drop = _cluster_cut(cl, nt, b, w, n_drop, seed, float(pad_tolerance))
-        kept = np.setdiff1d(np.arange(n), drop)
-        rows_all, scheds = [], []
-        for e in range(n_epochs):
-            if e > 0:
-                slots, rows_e, costs, _ = _cluster_cut(cl[kept], nt[kept], b, w, 0, seed + e,
-                                                       float(pad_tolerance), _rng(seed + e, _TAG_CUT))
-                mb_rows = kept[rows_e]
-            rows_all.append(mb_rows)
-            order = _rng(seed, _TAG_ORDER, e).permutation(n_slots)
-            step_slots = slots[order].reshape(steps_per_epoch, g, w)
-            scheds.append(e * n_slots * w + _assign_ranks(step_slots, costs, _rng(seed, _TAG_RANKS, e)))
-        mb_rows = np.concatenate(rows_all)
-        sched = np.stack(scheds)
-
+        mb_rows, sched, drop = _cluster_epochs(cl, nt, w, b, g, n_epochs, n_drop, seed, float(pad_tolerance))
     plan = _rows_frame(sched, mb_rows, ids, cl, nt, steps_per_epoch)
     return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=n)
+
+
+def _sampler_epochs(nt, kept, w: int, b: int, g: int, n_epochs: int, strategy: str, seed: int):
+    """The ``random`` and ``length`` plans' epochs over the ``kept`` rows (see :func:`make_plan`).
+
+    Returns (mb_rows int64 (M, B) rows of every micro-batch of every epoch, sched int64 (epochs, steps, G, W)
+    micro-batch ids)."""
+    n_slots = kept.size // (w * b)
+    steps_per_epoch = n_slots // g
+    mb_rows_all, scheds = [], []
+    for e in range(n_epochs):
+        perm = _rng(seed, _TAG_ORDER, e).permutation(kept)
+        base = e * n_slots * w
+        if strategy == "length":
+            srt = perm[np.argsort(nt[perm], kind="stable")]
+            mbs_e = srt.reshape(-1, b)  # (n_slots * W, B), by length
+            costs_e = b * nt[mbs_e].max(axis=1)
+            slots = np.arange(n_slots * w).reshape(n_slots, w)  # W neighbours in length per slot
+            step_slots = slots[_rng(seed, _TAG_SLOTS, e).permutation(n_slots)].reshape(steps_per_epoch, g, w)
+            mb_rows_all.append(mbs_e)
+            scheds.append(base + _assign_ranks(step_slots, costs_e, _rng(seed, _TAG_RANKS, e)))
+            continue
+        per_rank = perm.reshape(-1, w).T  # rank r: perm[r::W], like DistributedSampler
+        mbs = per_rank.reshape(w, steps_per_epoch, g, b)
+        mb_rows_all.append(mbs.reshape(-1, b))
+        ids_grid = base + np.arange(w * n_slots).reshape(w, steps_per_epoch, g)
+        scheds.append(ids_grid.transpose(1, 2, 0))  # step, micro_index, rank
+    return np.concatenate(mb_rows_all), np.stack(scheds)
+
+
+def _cluster_epochs(cl, nt, w: int, b: int, g: int, n_epochs: int, n_drop: int, seed: int, tol: float):
+    """The unpacked ``cluster`` plan's epochs (see :func:`make_plan`): ``n_drop`` rows dropped by the epoch-0 cut.
+
+    Returns (mb_rows int64 (M, B), sched int64 (epochs, steps, G, W) micro-batch ids, drop int64 rows)."""
+    n_slots = (cl.size - n_drop) // (w * b)
+    steps_per_epoch = n_slots // g
+    # Epoch 0 is cut with the seed itself (so a one-epoch plan is what it always was); epoch e >= 1 re-cuts
+    # the same kept rows with seed + e and a length jitter, so micro-batch composition changes per epoch.
+    slots, mb_rows, costs, drop = _cluster_cut(cl, nt, b, w, n_drop, seed, tol)
+    kept = np.setdiff1d(np.arange(cl.size), drop)
+    rows_all, scheds = [], []
+    for e in range(n_epochs):
+        if e > 0:
+            slots, rows_e, costs, _ = _cluster_cut(cl[kept], nt[kept], b, w, 0, seed + e, tol,
+                                                   _rng(seed + e, _TAG_CUT))
+            mb_rows = kept[rows_e]
+        rows_all.append(mb_rows)
+        order = _rng(seed, _TAG_ORDER, e).permutation(n_slots)
+        step_slots = slots[order].reshape(steps_per_epoch, g, w)
+        scheds.append(e * n_slots * w + _assign_ranks(step_slots, costs, _rng(seed, _TAG_RANKS, e)))
+    return np.concatenate(rows_all), np.stack(scheds), drop
