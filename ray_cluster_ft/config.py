@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import reprlib
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
 
 import yaml
 from pydantic import (
@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -60,9 +61,24 @@ def _seed(description: str = "random seed") -> Any:
     return Field(0, ge=0, le=_SEED_MAX, description=f"{description}, 0..2**32-1")
 
 
+def _admits_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_admits_bool(a) for a in get_args(annotation) if not isinstance(a, str))
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: YAML's .inf / .nan are never a meaningful budget, rate or limit.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads YAML `true` as 1 for a number: `epochs: true` would train one epoch and
+        # `lr: true` at 1.0. Only a field that is a boolean (or may be one) takes a boolean.
+        if isinstance(v, bool) and not _admits_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError("is not a boolean (YAML true/false) but a number, a word or a path")
+        return v
 
 
 class DataConfig(_Section):
@@ -116,7 +132,8 @@ class ModelConfig(_Section):
         "sdpa", description="attention kernel of the trained model (flash_attention_2 needs the flash-attn package "
                             "on the GPU workers)")
     cache_dir: str | None = Field(
-        None, min_length=1, description="where the driver puts a converted or downloaded model (`demo`, a hub id) once, on storage "
+        None, min_length=1, description="where the driver puts a converted or downloaded model (`demo`, a hub id) "
+                                        "once, on storage "
                           "every node reads; null = a folder `.model-cache` beside output.dir; a relative path is "
                           "relative to the folder that holds output.dir")
 
@@ -214,18 +231,9 @@ class ClusteringConfig(_Section):
                              "clustering.from_run to that run's directory")
         return self
 
-    @field_validator("max_cluster_ratio", mode="before")
-    @classmethod
-    def _ratio_not_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):  # YAML `true` would otherwise become 1.0
-            raise ValueError("clustering.max_cluster_ratio must be a number > 1 or null, not a boolean")
-        return v
-
     @field_validator("k", mode="before")
     @classmethod
-    def _k_not_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):  # YAML `true` would otherwise become k = 1
-            raise ValueError("clustering.k must be a whole number, 'auto' or 'world_size', not a boolean")
+    def _k_words(cls, v: Any) -> Any:
         if isinstance(v, str) and v not in ("auto", "world_size") and not v.strip().lstrip("+-").isdigit():
             # one message, not one per member of the int | 'auto' union
             raise ValueError("must be a whole number, 'auto' or 'world_size'")
@@ -258,13 +266,6 @@ class SelectionConfig(_Section):
                                 "or a count if > 1; water-filled per cluster in tokens (balanced, random); null = "
                                 "selection.budget counts examples")
 
-    @field_validator("budget_tokens", mode="before")
-    @classmethod
-    def _budget_tokens_not_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):
-            raise ValueError("selection.budget_tokens must be a fraction or a count, not a boolean")
-        return v
-
     @field_validator("budget_tokens")
     @classmethod
     def _budget_tokens_shape(cls, v: float | None) -> float | None:
@@ -278,20 +279,6 @@ class SelectionConfig(_Section):
             raise ValueError(f"selection.budget_tokens applies to 'balanced' and 'random', not {self.strategy!r} "
                              f"('full' takes every row, 'equalize' sizes clusters by selection.ratio)")
         return self
-
-    @field_validator("ratio", mode="before")
-    @classmethod
-    def _ratio_not_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):  # YAML `true` would otherwise become 1.0
-            raise ValueError("selection.ratio must be a number in (0, 1], not a boolean")
-        return v
-
-    @field_validator("budget", mode="before")
-    @classmethod
-    def _budget_not_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):  # YAML `true` would otherwise become 1.0, all the data
-            raise ValueError("selection.budget must be a fraction or a count, not a boolean")
-        return v
 
     @field_validator("budget")
     @classmethod
@@ -384,12 +371,6 @@ class TrainConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(
         None, ge=8, description="allocation.packing only: tokens per pack at most (whole examples, never cut)")
 
-    @field_validator("max_tokens_per_micro_batch", mode="before")
-    @classmethod
-    def _max_tokens_not_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):  # YAML `true` would otherwise become 1
-            raise ValueError("train.max_tokens_per_micro_batch must be a whole number of tokens, not a boolean")
-        return v
     final_checkpoint: bool = Field(
         True, description="write a last checkpoint after the final step (off when only final_model/ is wanted)")
 

@@ -78,13 +78,24 @@ def test_check_against_data():
     [
         ({"selection": {"budget": float("inf")}}, "selection.budget"),
         ({"train": {"lr": float("nan")}}, "train.lr"),
-        ({"selection": {"budget": True}}, "not a boolean"),
-        ({"clustering": {"k": True}}, "not a boolean"),
+        ({"selection": {"budget": True}}, "selection.budget: .*not a boolean"),
+        ({"clustering": {"k": True}}, "clustering.k: .*not a boolean"),
+        ({"train": {"epochs": True}}, "train.epochs: .*not a boolean"),  # was read as 1 epoch
+        ({"train": {"lr": True}}, "train.lr: .*not a boolean"),  # was read as 1.0
+        ({"clustering": {"max_cluster_ratio": True}}, "clustering.max_cluster_ratio: .*not a boolean"),
+        ({"train": {"max_tokens_per_micro_batch": False}}, "train.max_tokens_per_micro_batch: .*not a boolean"),
+        ({"data": {"paths": True}}, "data.paths: .*not a boolean"),
     ],
 )
 def test_non_finite_and_boolean_numbers_are_refused(raw, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(raw)
+
+
+def test_boolean_keys_still_take_booleans():
+    cfg = parse_config({"train": {"use_gpu": False, "final_checkpoint": False}, "clustering": {"refit": False},
+                        "allocation": {"packing": False}})
+    assert cfg.train.final_checkpoint is False and cfg.allocation.packing is False
 
 
 def test_data_paths_mean_files_and_demo_with_paths_is_refused(tmp_path, monkeypatch):
@@ -213,11 +224,11 @@ def test_cluster_per_rank_needs_as_many_clusters_as_ranks():
     [
         ({"selection": {"ratio": 0}}, "selection.ratio: Input should be greater than 0 (got 0)"),
         ({"selection": {"ratio": 1.5}}, "selection.ratio: Input should be less than or equal to 1 (got 1.5)"),
-        ({"selection": {"ratio": True}}, "selection.ratio: selection.ratio must be a number in (0, 1]"),
+        ({"selection": {"ratio": True}}, "selection.ratio: is not a boolean (YAML true/false)"),
         ({"selection": {"within": "farthest"}}, "selection.within: Input should be"),
         ({"clustering": {"max_cluster_ratio": 1}}, "clustering.max_cluster_ratio: Input should be greater than 1"),
         ({"clustering": {"max_cluster_ratio": 0.5}}, "clustering.max_cluster_ratio: Input should be greater than 1"),
-        ({"clustering": {"max_cluster_ratio": True}}, "clustering.max_cluster_ratio: clustering.max_cluster_ratio must"),
+        ({"clustering": {"max_cluster_ratio": True}}, "clustering.max_cluster_ratio: is not a boolean"),
         ({"clustering": {"algorithm": "dbscan"}},
          "clustering.algorithm: Input should be 'spherical' or 'kmeans' (got 'dbscan')"),
         ({"clustering": {"k": "worldsize"}}, "clustering.k: must be a whole number, 'auto' or 'world_size'"),
