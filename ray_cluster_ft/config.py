@@ -231,6 +231,13 @@ class ClusteringConfig(_Section):
                              "clustering.from_run to that run's directory")
         return self
 
+    @model_validator(mode="after")
+    def _cap_by_needs_a_cap(self) -> ClusteringConfig:
+        if self.cap_by != "auto" and self.max_cluster_ratio is None:
+            raise ValueError(f"clustering.cap_by: {self.cap_by} says what the soft cap counts, but there is no cap: "
+                             f"set clustering.max_cluster_ratio (1.5 is the published one)")
+        return self
+
     @field_validator("k", mode="before")
     @classmethod
     def _k_words(cls, v: Any) -> Any:

@@ -92,6 +92,15 @@ def test_non_finite_and_boolean_numbers_are_refused(raw, match):
         parse_config(raw)
 
 
+def test_cap_by_needs_a_cap():
+    with pytest.raises(ConfigError, match="clustering.cap_by: tokens .* set clustering.max_cluster_ratio"):
+        parse_config({"clustering": {"cap_by": "tokens"}})
+    with pytest.raises(ConfigError, match="clustering.cap_by"):
+        parse_config({"clustering": {"cap_by": "docs", "max_cluster_ratio": 1.5}})
+    assert parse_config({"clustering": {"cap_by": "rows", "max_cluster_ratio": 1.5}}).clustering.cap_by == "rows"
+    assert parse_config({}).clustering.cap_by == "auto"
+
+
 def test_boolean_keys_still_take_booleans():
     cfg = parse_config({"train": {"use_gpu": False, "final_checkpoint": False}, "clustering": {"refit": False},
                         "allocation": {"packing": False}})
