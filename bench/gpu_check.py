@@ -113,38 +113,42 @@ def _reference_loss(model_dir: str, rows) -> float:
     return float(total) / float(sum((torch.as_tensor(r[1][1:]) != -100).sum() for r in rows))
 
 
-def _packed_check(model_dir: str, rows, device: str, attn: str) -> dict:
-    """Packed forward + backward of ``rows`` on ``device`` (bf16 on CUDA) with attention ``attn`` against the
-    per-example fp32 CPU passes: loss relative error, gradient relative error and cosine (all parameters)."""
+def _grad_of(model, rows, device, packed: bool, flash_kwargs: bool = False):
+    """Summed token loss and the flattened fp32 gradient (all parameters) of ``rows``: one pack, or one
+    example at a time (no padding, no mask, nothing shared)."""
+    import torch
+
+    from ray_cluster_ft.train.step import micro_batch_to_device, token_exact_loss
+
+    model.zero_grad(set_to_none=True)
+    batch = {"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]}
+    if packed:
+        mb = micro_batch_to_device(batch, 0, device, packed=True, flash_attn_kwargs=flash_kwargs)
+        extra = {k: mb[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if k in mb}
+        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False, **extra).logits
+        total = token_exact_loss(logits, mb["labels"], mb["weight"])
+    else:
+        total = 0.0
+        for ids, lab in zip(batch["input_ids"], batch["labels"]):
+            one = micro_batch_to_device({"input_ids": [ids], "labels": [lab]}, 0, device)
+            logits = model(input_ids=one["input_ids"], attention_mask=one["attention_mask"], use_cache=False).logits
+            total = total + token_exact_loss(logits, one["labels"], one["weight"])
+    total.backward()
+    return float(total), torch.cat([p.grad.float().reshape(-1).cpu() for p in model.parameters() if p.grad is not None])
+
+
+def _packed_check(model_dir: str, rows, device: str, attn: str, ref) -> dict:
+    """Packed forward + backward of ``rows`` on ``device`` (bf16 on CUDA) with attention ``attn`` against
+    ``ref`` = :func:`_grad_of` per example in fp32 on the CPU: loss relative error, gradient relative error and
+    cosine (all parameters)."""
     import torch
 
     from ray_cluster_ft.model import load_model
-    from ray_cluster_ft.train.step import micro_batch_to_device, token_exact_loss
-
-    def grad_of(model, dev, packed, attn_kw):
-        model.zero_grad(set_to_none=True)
-        batch = {"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]}
-        if packed:
-            mb = micro_batch_to_device(batch, 0, dev, packed=True, flash_attn_kwargs=attn_kw)
-            extra = {k: mb[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if k in mb}
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False,
-                           **extra).logits
-            total = token_exact_loss(logits, mb["labels"], mb["weight"])
-        else:  # one example at a time: no padding, no mask, nothing shared
-            total = 0.0
-            for ids, lab in zip(batch["input_ids"], batch["labels"]):
-                one = micro_batch_to_device({"input_ids": [ids], "labels": [lab]}, 0, dev)
-                logits = model(input_ids=one["input_ids"], attention_mask=one["attention_mask"], use_cache=False).logits
-                total = total + token_exact_loss(logits, one["labels"], one["weight"])
-        total.backward()
-        g = torch.cat([p.grad.float().reshape(-1).cpu() for p in model.parameters() if p.grad is not None])
-        return float(total), g
 
     cuda = device == "cuda"
-    ref_loss, ref_g = grad_of(load_model(model_dir).train(), "cpu", False, False)
     model = load_model(model_dir, dtype=torch.bfloat16 if cuda else None, attn_implementation=attn).train()
-    model = model.to(device)
-    loss, g = grad_of(model, torch.device(device), True, attn == "flash_attention_2")
+    loss, g = _grad_of(model.to(device), rows, torch.device(device), True, attn == "flash_attention_2")
+    ref_loss, ref_g = ref
     g, ref_g = g.double(), ref_g.double()  # 10^8 terms: float32 norms drift past a cosine of 1
     return {"loss_rel_err": abs(loss - ref_loss) / ref_loss,
             "grad_rel_err": float((g - ref_g).norm() / ref_g.norm()),
@@ -193,8 +197,11 @@ def main(argv=None) -> dict:
 
     attns = ["sdpa"] + (["flash_attention_2"] if args.device == "cuda" and importlib.util.find_spec("flash_attn")
                         else [])
+    from ray_cluster_ft.model import load_model
+
+    ref = _grad_of(load_model(model_dir).train(), rows, "cpu", packed=False)  # once, for every kernel
     for attn in attns:
-        fig.update({f"packed_{attn}_{k}": v for k, v in _packed_check(model_dir, rows, args.device, attn).items()})
+        fig.update({f"packed_{attn}_{k}": v for k, v in _packed_check(model_dir, rows, args.device, attn, ref).items()})
     fig["reference_loss"] = _reference_loss(model_dir, rows)
     _init_process_group(args.device)
     for zero in (2, 3):

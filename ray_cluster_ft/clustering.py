@@ -514,7 +514,7 @@ def cap_weights(cfg, n_tokens) -> np.ndarray | None:
         return None
     if n_tokens is None:
         raise ValueError("clustering.cap_by counts tokens: pass n_tokens")
-    return np.asarray(n_tokens, dtype=np.int64)
+    return np.asarray(n_tokens)  # soft_cap_labels checks for positive integers (no silent float truncation)
 
 
 def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None, n_tokens=None) -> tuple:
@@ -583,8 +583,8 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
     Returns:
         ``(ClusterResult, summary)``: the summary is the manifest's ``clustering`` entry (k, merged clusters,
         sizes, ``algorithm``, ``capped: true``, ``cap`` and ``cap_by`` (rows or tokens) when the soft cap fired,
-        ``p95_distance`` of the map written, ``from_run`` (:attr:`ClusterResult.from_run`) and the :func:`clustering_warning` and
-        drift warning when there are any).
+        ``p95_distance`` of the map written, ``from_run`` (:attr:`ClusterResult.from_run`) and the
+        :func:`clustering_warning` and drift warning when there are any).
 
     Raises:
         ConfigError: (``resume``) the assignment changed; ``from_run`` unusable (see :func:`cluster_with_config`);

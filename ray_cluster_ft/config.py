@@ -77,7 +77,7 @@ class _Section(BaseModel):
         # pydantic's lax mode reads YAML `true` as 1 for a number: `epochs: true` would train one epoch and
         # `lr: true` at 1.0. Only a field that is a boolean (or may be one) takes a boolean.
         if isinstance(v, bool) and not _admits_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError("is not a boolean (YAML true/false) but a number, a word or a path")
+            raise ValueError("does not take a boolean (YAML true/false)")
         return v
 
 
@@ -438,7 +438,7 @@ PRESETS: dict[str, dict] = {
     # each rank's loss weighted back to its cluster's share of the data.
     "cluster-paper": {
         "sketch": {"method": "last_layer"},
-        "clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.5},
+        "clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.5, "cap_by": "rows"},
         "selection": {"strategy": "equalize", "ratio": 0.5, "within": "peripheral"},
         "allocation": {"strategy": "cluster_per_rank"},
         "train": {"loss_weighting": "cluster"},

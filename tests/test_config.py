@@ -78,13 +78,13 @@ def test_check_against_data():
     [
         ({"selection": {"budget": float("inf")}}, "selection.budget"),
         ({"train": {"lr": float("nan")}}, "train.lr"),
-        ({"selection": {"budget": True}}, "selection.budget: .*not a boolean"),
-        ({"clustering": {"k": True}}, "clustering.k: .*not a boolean"),
-        ({"train": {"epochs": True}}, "train.epochs: .*not a boolean"),  # was read as 1 epoch
-        ({"train": {"lr": True}}, "train.lr: .*not a boolean"),  # was read as 1.0
-        ({"clustering": {"max_cluster_ratio": True}}, "clustering.max_cluster_ratio: .*not a boolean"),
-        ({"train": {"max_tokens_per_micro_batch": False}}, "train.max_tokens_per_micro_batch: .*not a boolean"),
-        ({"data": {"paths": True}}, "data.paths: .*not a boolean"),
+        ({"selection": {"budget": True}}, "selection.budget: .*does not take a boolean"),
+        ({"clustering": {"k": True}}, "clustering.k: .*does not take a boolean"),
+        ({"train": {"epochs": True}}, "train.epochs: .*does not take a boolean"),  # was read as 1 epoch
+        ({"train": {"lr": True}}, "train.lr: .*does not take a boolean"),  # was read as 1.0
+        ({"clustering": {"max_cluster_ratio": True}}, "clustering.max_cluster_ratio: .*does not take a boolean"),
+        ({"train": {"max_tokens_per_micro_batch": False}}, "train.max_tokens_per_micro_batch: .*does not take a boolean"),
+        ({"data": {"paths": True}}, "data.paths: .*does not take a boolean"),
     ],
 )
 def test_non_finite_and_boolean_numbers_are_refused(raw, match):
@@ -233,11 +233,11 @@ def test_cluster_per_rank_needs_as_many_clusters_as_ranks():
     [
         ({"selection": {"ratio": 0}}, "selection.ratio: Input should be greater than 0 (got 0)"),
         ({"selection": {"ratio": 1.5}}, "selection.ratio: Input should be less than or equal to 1 (got 1.5)"),
-        ({"selection": {"ratio": True}}, "selection.ratio: is not a boolean (YAML true/false)"),
+        ({"selection": {"ratio": True}}, "selection.ratio: does not take a boolean (YAML true/false)"),
         ({"selection": {"within": "farthest"}}, "selection.within: Input should be"),
         ({"clustering": {"max_cluster_ratio": 1}}, "clustering.max_cluster_ratio: Input should be greater than 1"),
         ({"clustering": {"max_cluster_ratio": 0.5}}, "clustering.max_cluster_ratio: Input should be greater than 1"),
-        ({"clustering": {"max_cluster_ratio": True}}, "clustering.max_cluster_ratio: is not a boolean"),
+        ({"clustering": {"max_cluster_ratio": True}}, "clustering.max_cluster_ratio: does not take a boolean"),
         ({"clustering": {"algorithm": "dbscan"}},
          "clustering.algorithm: Input should be 'spherical' or 'kmeans' (got 'dbscan')"),
         ({"clustering": {"k": "worldsize"}}, "clustering.k: must be a whole number, 'auto' or 'world_size'"),
@@ -261,7 +261,7 @@ def test_published_options_parse():
         assert parse_config({"selection": {"within": within}}).selection.within == within
     # ints, 'auto' and booleans behave as before
     assert parse_config({"clustering": {"k": "12"}}).clustering.k == 12
-    with pytest.raises(ConfigError, match="not a boolean"):
+    with pytest.raises(ConfigError, match="does not take a boolean"):
         parse_config({"clustering": {"k": True}})
 
 
@@ -269,8 +269,8 @@ def test_preset_cluster_paper_fills_the_published_configuration_and_spec_keys_wi
     from ray_cluster_ft.cli import main
 
     cfg = parse_config({"preset": "cluster-paper"})
-    assert (cfg.sketch.method, cfg.clustering.k, cfg.clustering.algorithm, cfg.clustering.max_cluster_ratio) == \
-        ("last_layer", "world_size", "kmeans", 1.5)
+    assert (cfg.sketch.method, cfg.clustering.k, cfg.clustering.algorithm, cfg.clustering.max_cluster_ratio,
+            cfg.clustering.cap_by) == ("last_layer", "world_size", "kmeans", 1.5, "rows")
     assert (cfg.selection.strategy, cfg.selection.ratio, cfg.selection.within) == ("equalize", 0.5, "peripheral")
     assert (cfg.allocation.strategy, cfg.train.loss_weighting) == ("cluster_per_rank", "cluster")
     mine = parse_config({"preset": "cluster-paper", "selection": {"ratio": 0.75},

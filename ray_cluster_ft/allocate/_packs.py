@@ -125,8 +125,10 @@ def _rank_groups(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, tol
 
     Each cluster's rows form a group; groups go whole, largest first, to the least loaded rank (LPT). Then,
     while the heaviest rank is more than ``tol`` above the mean or the lightest more than ``tol`` below, the
-    heaviest hands the lightest its largest group that narrows the gap, or, when none does, the shortest rows
-    of its smallest group, as many as close the gap (that cluster then sits on two ranks).
+    heaviest hands the lightest its largest group that narrows the gap, or trades one of its groups for a
+    smaller one of the lightest's (:func:`_best_swap`), whichever brings the two closer; only when neither
+    narrows the gap does it hand over the shortest rows of its smallest group, as many as close the gap (that
+    cluster then sits on two ranks).
 
     Returns:
         ``w`` int64 arrays of rows, cluster by cluster and longest first inside each.
@@ -298,9 +300,10 @@ def _even_count(rows, ptr, code, nt, cap: int, w: int, g: int, prefer_mixed: boo
     ``y + x`` a multiple of W x G) are re-cut by :func:`_light_packs` into ``y + x`` lighter packs of nearly
     equal tokens that fill whole steps of their own, so they do not unbalance a step of full packs, and that
     share few clusters across ranks. ``y`` grows by W x G until the re-cut fits ``cap`` (then smaller ``y`` are
-    tried); with ``prefer_mixed``, up to ``_RECUT_TRIES`` pools that fit are compared and the one whose light
-    steps have the fewest collisions (:func:`_light_collisions`; the first on ties) is kept, provided a larger
-    pool leaves at least ``_MIN_SINGLE`` of all packs single-cluster.
+    tried); with ``prefer_mixed``, up to ``_RECUT_TRIES`` pools that fit are compared in that order and the
+    one whose light steps have the fewest collisions (:func:`_light_collisions`) is kept: the first pool that
+    fits always qualifies, a later one only with fewer collisions and at least ``_MIN_SINGLE`` of all packs
+    single-cluster.
 
     Returns (rows, ptr, n_light): a multiple of W x G packs (unchanged when P already is one), the re-cut ones
     last (``n_light`` of them, a multiple of W x G; 0 when nothing was re-cut), ordered rank-major: rank r's
