@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_gpu_check_dry_run_matches_its_references(tiny_model_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--rows", "2",
-                           "--max-len", "64", "--model", str(tiny_model_dir)], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    argv = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--rows", "2", "--max-len", "64",
+            "--model", str(tiny_model_dir)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     fig = json.loads(done.stdout.strip().splitlines()[-1])
     assert fig["device"] == "cpu" and fig["rows"] == 2
