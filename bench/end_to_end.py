@@ -422,6 +422,9 @@ def run_arm(arm: str, args, seed: int, paths: list[str], eval_paths: list[str], 
         reason = str(err).replace("\n", " ")
         print(f"[bench] skipping arm {arm}: its config is not accepted by this version ({reason})", flush=True)
         return {"skipped": reason}
+    # Shards an interrupted earlier attempt of this arm left would be reused and shorten its timed sketch stage:
+    # an arm that runs (none of its figures were kept) sketches from nothing, or from the donor's shards.
+    shutil.rmtree(run_dir / "sketches", ignore_errors=True)
     reuse = (sketch_donor is not None and ARMS[arm][3] == "gradient" and "sketch" not in ARM_OVERRIDES.get(arm, {})
              and "timings_s" in sketch_donor)
     if reuse:
