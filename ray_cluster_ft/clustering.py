@@ -659,7 +659,6 @@ def refit_kmeans(xs: np.ndarray, init: np.ndarray, algorithm: str, seed: int = 0
 
     from .cluster_map import nearest_distances
 
-
     n, k = xs.shape[0], init.shape[0]
     if k > n:
         raise ValueError(f"refit_kmeans: the map has {k} centroids, more than the {n} rows to cluster")

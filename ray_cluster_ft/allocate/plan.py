@@ -424,13 +424,12 @@ def make_plan(
     if strategy == "cluster_per_rank":
         return cluster_per_rank_plan(ids, cl, nt, w, b, g, n_epochs, seed)
     n_drop = n - (n // unit) * unit
-    steps_per_epoch = (n - n_drop) // (w * b * g)
     if strategy in ("random", "length"):
         drop = np.sort(_rng(seed, _TAG_DROP).choice(n, size=n_drop, replace=False)).astype(np.int64)
         mb_rows, sched = _sampler_epochs(nt, np.setdiff1d(np.arange(n), drop), w, b, g, n_epochs, strategy, seed)
     else:
         mb_rows, sched, drop = _cluster_epochs(cl, nt, w, b, g, n_epochs, n_drop, seed, float(pad_tolerance))
-    plan = _rows_frame(sched, mb_rows, ids, cl, nt, steps_per_epoch)
+    plan = _rows_frame(sched, mb_rows, ids, cl, nt, sched.shape[1])  # sched: (epochs, steps, G, W)
     return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=n)
 
 
