@@ -196,13 +196,15 @@ def _best_swap(heavy: list[int], light: list[int], gap: int):
     return best
 
 
-def _light_packs(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, per_rank: int, cap: int,
+def _light_packs(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, per_rank: int, cap: int, g: int,
                  tol: float = 0.1):
     """Cut rows into ``w * per_rank`` packs that fill steps of their own with few shared clusters.
 
     The rows are shared among the ranks by :func:`_rank_groups` (tokens within ``tol`` of the mean, each
     cluster on one rank where possible); each rank's rows are then cut into ``per_rank`` packs of nearly equal
-    tokens (they go to that rank, one per light micro-batch). None when a pack would be empty or above ``cap``.
+    tokens (they go to that rank, one per light micro-batch, ``g`` per light step), its clusters in the order
+    :func:`_order_shared` picks so that a cluster on two ranks sits in different light steps on each. None when
+    a pack would be empty or above ``cap``.
 
     Returns:
         int64 (len(rows),) pack index ``rank * per_rank + i`` aligned with ``rows``, or None.
@@ -210,21 +212,109 @@ def _light_packs(rows: np.ndarray, code: np.ndarray, nt: np.ndarray, w: int, per
     m = w * per_rank
     if rows.size < m:
         return None
+    parts = _rank_groups(rows, code, nt, w, tol)
+    if any(part.size < per_rank for part in parts):
+        return None
+    groups = [np.split(part, np.flatnonzero(np.diff(code[part])) + 1) for part in parts]
+    laid = _order_shared(groups, code, nt, per_rank, g, cap)
+    if laid is None:
+        return None
     pos = {int(r): i for i, r in enumerate(rows.tolist())}
     out = np.empty(rows.size, dtype=np.int64)
-    for r, part in enumerate(_rank_groups(rows, code, nt, w, tol)):
-        if part.size < per_rank:
-            return None
-        inner = _cut_points(np.cumsum(nt[part]), np.empty(0, dtype=np.int64), per_rank, 0.0)
-        pid = None if inner is None else np.repeat(np.arange(per_rank), np.diff(inner))
-        if pid is None or np.bincount(pid, weights=nt[part], minlength=per_rank).max() > cap:
-            # Runs of long rows overshoot the cap where a run boundary falls badly: deal the rows instead,
-            # longest first to the lightest pack (LPT), which packs the same rows more evenly.
-            pid = _lpt(nt[part], per_rank)
-            if np.bincount(pid, weights=nt[part], minlength=per_rank).max() > cap:
-                return None
-        out[[pos[int(x)] for x in part.tolist()]] = r * per_rank + pid
+    for r, (seq, pid) in enumerate(laid):
+        out[[pos[int(x)] for x in seq.tolist()]] = r * per_rank + pid
     return out
+
+
+def _cut_rank(seq: np.ndarray, nt: np.ndarray, per_rank: int, cap: int) -> np.ndarray | None:
+    """One rank's light packs: ``seq`` (rows in order) cut into ``per_rank`` runs of nearly equal tokens, or, where
+    a run would overshoot ``cap``, dealt longest first to the lightest pack (:func:`_lpt`). Returns int64
+    (len(seq),) pack index in 0..per_rank-1, or None when no pack fits ``cap``."""
+    inner = _cut_points(np.cumsum(nt[seq]), np.empty(0, dtype=np.int64), per_rank, 0.0)
+    pid = None if inner is None else np.repeat(np.arange(per_rank), np.diff(inner))
+    if pid is None or np.bincount(pid, weights=nt[seq], minlength=per_rank).max() > cap:
+        # Runs of long rows overshoot the cap where a run boundary falls badly: LPT packs the same rows more
+        # evenly.
+        pid = _lpt(nt[seq], per_rank)
+        if np.bincount(pid, weights=nt[seq], minlength=per_rank).max() > cap:
+            return None
+    return pid
+
+
+_ORDER_PERMS = 4  # ranks with at most this many cluster groups try every order of them; others move one group
+
+
+def _order_shared(groups: list[list[np.ndarray]], code: np.ndarray, nt: np.ndarray, per_rank: int, g: int,
+                  cap: int):
+    """Order each rank's cluster groups so that a cluster split over two ranks lands in different light steps.
+
+    A cluster that :func:`_rank_groups` had to split is a collision in every light step where both ranks hold
+    some of it. Laid at the end of one rank's rows and at the start of the other's (McNaughton's wrap-around,
+    where no job runs on two machines at once), the two parts meet in no light step as long as together they
+    fill fewer light steps than one rank has. Coordinate descent: each rank holding a shared cluster in turn takes the order of its
+    groups (every order up to ``_ORDER_PERMS`` groups; otherwise each group moved to the front or the back)
+    whose (light step, cluster) cells meet the other ranks' least; ties keep the current order. Two passes.
+
+    Args:
+        groups: per rank, its rows as cluster groups (int64 arrays, one cluster each).
+        code, nt: per-row cluster code and tokens.
+
+    Returns:
+        Per rank ``(seq, pid)``: its rows in the chosen order and their pack (0..per_rank-1), from
+        :func:`_cut_rank`; None when some rank's rows fit no cut.
+    """
+    from collections import Counter
+    from itertools import permutations
+
+    w = len(groups)
+    orders = [list(range(len(gs))) for gs in groups]
+
+    def lay(r, order):
+        seq = np.concatenate([groups[r][i] for i in order])
+        pid = _cut_rank(seq, nt, per_rank, cap)
+        return None if pid is None else (seq, pid)
+
+    def cells(laid_r):
+        seq, pid = laid_r
+        return set(zip((pid // g).tolist(), code[seq].tolist()))
+
+    laid = [lay(r, orders[r]) for r in range(w)]
+    if any(x is None for x in laid):
+        return None
+    on_ranks = Counter(int(code[gr[0]]) for gs in groups for gr in gs)
+    shared = {c for c, n in on_ranks.items() if n > 1}
+    if not shared:
+        return laid
+    cell_sets = [cells(x) for x in laid]
+    for _ in range(2):
+        changed = False
+        for r in range(w):
+            n = len(groups[r])
+            mine = [i for i in range(n) if int(code[groups[r][i][0]]) in shared]
+            if n < 2 or not mine:
+                continue
+            others = Counter(c for q in range(w) if q != r for c in cell_sets[q])
+            best = (sum(1 for c in cell_sets[r] if others[c]), orders[r], laid[r], cell_sets[r])
+            if n <= _ORDER_PERMS:
+                tries = [list(t) for t in permutations(range(n))]
+            else:
+                cur = orders[r]
+                tries = [[i] + [j for j in cur if j != i] for i in mine]
+                tries += [[j for j in cur if j != i] + [i] for i in mine]
+            for order in tries:
+                x = lay(r, order)
+                if x is None:
+                    continue
+                cs = cells(x)
+                cost = sum(1 for c in cs if others[c])
+                if cost < best[0]:
+                    best = (cost, order, x, cs)
+            if best[1] is not orders[r]:
+                orders[r], laid[r], cell_sets[r] = best[1], best[2], best[3]
+                changed = True
+        if not changed:
+            break
+    return laid
 
 
 def _lpt(lengths: np.ndarray, bins: int) -> np.ndarray:
@@ -347,7 +437,7 @@ def _even_count(rows, ptr, code, nt, cap: int, w: int, g: int, prefer_mixed: boo
         m = y + x
         chosen = pick_order[:y]
         sel_rows = np.concatenate([rows[ptr[q]:ptr[q + 1]] for q in chosen.tolist()])
-        cut = _light_packs(sel_rows, code, nt, w, m // w, cap)
+        cut = _light_packs(sel_rows, code, nt, w, m // w, cap, g)
         if cut is None:
             continue
         # A pool dominated by one cluster (the loose rows of a cluster of long rows fill the mixed packs) must
@@ -461,15 +551,22 @@ def _collisions(members) -> int:
     return sum(v - 1 for v in seen.values())
 
 
+# How far (x the largest bundle) two bundles' tokens may differ for _row_distinct to trade them. On the 6,000-row
+# sample (bench/plan_goals.py, tfidf, W = 4, k = 8) 0.01 left 5 collisions in 87 steps, 0.05 left 3 and 0.08
+# none, at +0.1% critical path: the repeats sit in the lighter re-cut steps, whose bundles differ from full ones
+# by about 5%.
+_SWAP_GAP = 0.08
+
+
 def _row_distinct(slots: np.ndarray, csets: list[frozenset], cost: np.ndarray, reach: int = 16,
-                  max_gap: float = 0.01) -> None:
+                  max_gap: float = _SWAP_GAP) -> None:
     """Trade bundles between nearby slots (in walk order, so of similar cost) to remove repeats counted per row,
     in place: a cluster present in two bundles of one slot (whatever their majorities) is one collision.
 
     For each slot with a collision, every bundle that takes part in one may swap with a bundle of a slot at
-    most ``reach`` away whose cost differs by at most ``max_gap`` x the largest cost (so balance is kept); the
-    swap that removes the most collisions from the two slots together (then the closest cost) is made, and
-    the slot is tried again until no swap helps. Up to three passes over the plan.
+    most ``reach`` away whose cost differs by at most ``max_gap`` x the largest cost (a step's tokens grow by at
+    most that much); the swap that removes the most collisions from the two slots together (then the closest
+    cost) is made, and the slot is tried again until no swap helps. Up to three passes over the plan.
     """
     n_slots, w = slots.shape
     limit = max_gap * float(cost.max()) if cost.size else 0.0

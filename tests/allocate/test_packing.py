@@ -9,7 +9,16 @@ import pandas as pd
 import pytest
 
 from ray_cluster_ft.allocate import check_plan, make_plan, plan_metrics
-from ray_cluster_ft.allocate._packs import _even_count, _light_collisions, _lpt, _pack_stats, _rank_groups, bfd
+from ray_cluster_ft.allocate._packs import (
+    _cut_rank,
+    _even_count,
+    _light_collisions,
+    _light_packs,
+    _lpt,
+    _pack_stats,
+    _rank_groups,
+    bfd,
+)
 
 
 def _bfd_reference(lengths, cap):
@@ -165,6 +174,44 @@ def test_lpt_and_light_collisions_known_answers():
     assert _light_collisions(code, pack, per_rank=2, g=1) == 2
     # With g = 2 both packs of a rank are one step: every shared cluster collides once.
     assert _light_collisions(code, pack, per_rank=2, g=2) == 3
+
+
+def test_light_packs_lay_a_split_cluster_in_different_steps_on_its_two_ranks():
+    # Clusters of 7, 7, 4 one-token rows on 2 ranks: LPT gives 7+4 | 7, and two rows of cluster 2 move over
+    # (9 | 9), so cluster 2 sits on both ranks. Three light packs (steps, g = 1) of 3 tokens per rank: in
+    # cluster order both ranks hold cluster 2 in their last step (a collision); with it first on one rank
+    # (step 0) and last on the other (step 2), none.
+    code = np.repeat(np.arange(3), [7, 7, 4])
+    nt = np.ones(code.size, dtype=np.int64)
+    rows = np.arange(code.size)
+    pack = _light_packs(rows, code, nt, 2, 3, cap=100, g=1)
+    assert np.bincount(pack, weights=nt).tolist() == [3] * 6
+    assert set(pack[code == 2] // 3) == {0, 1}  # still split over the two ranks
+    assert _light_collisions(code, pack, per_rank=3, g=1) == 0
+    in_code_order = np.concatenate([r * 3 + _cut_rank(part, nt, 3, 100)
+                                    for r, part in enumerate(_rank_groups(rows, code, nt, 2, 0.1))])
+    assert _light_collisions(code[np.concatenate(_rank_groups(rows, code, nt, 2, 0.1))], in_code_order, 3, 1) == 1
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_light_packs_never_collide_more_than_cluster_order(seed):
+    rng = np.random.default_rng(seed)
+    w, g = int(rng.integers(2, 6)), int(rng.integers(1, 3))
+    per_rank = g * int(rng.integers(1, 4))
+    code = rng.integers(0, int(rng.integers(w, 4 * w)), size=int(rng.integers(w * per_rank, 120)))
+    nt = rng.integers(20, 400, size=code.size)
+    rows = rng.permutation(code.size)
+    pack = _light_packs(rows, code, nt, w, per_rank, cap=10_000, g=g)
+    parts = _rank_groups(rows, code, nt, w, 0.1)
+    if pack is None:
+        assert any(p.size < per_rank for p in parts)
+        return
+    assert sorted(np.bincount(pack, minlength=w * per_rank) > 0) == [True] * (w * per_rank)
+    by_rank = [sorted(rows[pack // per_rank == r].tolist()) for r in range(w)]
+    assert by_rank == [sorted(p.tolist()) for p in parts]  # the layout only reorders each rank's own rows
+    ref = np.concatenate([r * per_rank + _cut_rank(p, nt, per_rank, 10_000) for r, p in enumerate(parts)])
+    assert _light_collisions(code[rows], pack, per_rank, g) <= _light_collisions(code[np.concatenate(parts)], ref,
+                                                                                  per_rank, g)
 
 
 def test_packing_errors():
