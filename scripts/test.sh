@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a virtual environment in .venv and run the test suite (CPU only; about 17 minutes of tests on 2 cores,
+# Set up a virtual environment in .venv and run the test suite (CPU only; about 18 minutes of tests on 2 cores,
 # plus the installs).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
@@ -10,5 +10,7 @@ python3 -m venv .venv
 pip install -q torch==2.13.0
 pip install -q -e '.[test]'
 pip install -q --no-deps -r requirements-demo.txt
-# pytest exits non-zero on failures and with 5 when no test ran: both fail this script.
-python -m pytest "$@"
+# Two xdist workers, each taking whole files (module fixtures run once), files with end-to-end tests first
+# (tests/conftest.py orders them). pytest exits non-zero on failures and with 5 when no test ran: both fail
+# this script. Pass `-n 0` for one process.
+python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -13,6 +13,19 @@ import pytest
 # module ran first (the ray_cpu fixture set it), so a pinned test passed in the full suite and failed alone.
 os.environ["OMP_NUM_THREADS"] = "1"
 
+# Under pytest-xdist (scripts/test.sh runs 2 workers) each worker gets its own Ray temp dir: a local Ray writes its
+# address to <temp dir>/ray/ray_current_cluster, and a test must never find and join the other worker's cluster.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["RAY_TMPDIR"] = f"/tmp/rcft-{os.environ['PYTEST_XDIST_WORKER']}"
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+
+def pytest_collection_modifyitems(items):
+    """Files with end-to-end (``slow``) tests first, each file's tests kept together and in order: xdist hands
+    out whole files (``--dist loadfile``), so the long ones start at once instead of ending the run alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
 
 def shared_data_dir() -> Path | None:
     """``../shared/data`` beside the checkout (or ``$RAY_CLUSTER_FT_SHARED_DATA``), if present."""

@@ -98,6 +98,20 @@ def _client(url: str, token: str):
     return JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"})
 
 
+def _submit(client, **kwargs) -> str:
+    """``client.submit_job``, retried while the head's job agent has not registered yet: the dashboard answers
+    before its agent does, and Ray's own answer then is "No available agent to submit job, please try again
+    later" (seen on a loaded 2-core machine)."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return client.submit_job(**kwargs)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
 def _wait(client, job_id: str, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -159,7 +173,8 @@ def test_plan_only_job_succeeds_and_writes_artifacts(ray_head, job_dir, tmp_path
     client = _client(url, token)
     out = tmp_path / "run"
     t0 = time.monotonic()
-    job_id = client.submit_job(
+    job_id = _submit(
+        client,
         entrypoint=f"ray-cluster-ft run tiny.yaml --output {out} --plan-only",
         runtime_env={"working_dir": str(job_dir), "env_vars": {"OMP_NUM_THREADS": "1"}},
     )
@@ -192,8 +207,8 @@ def test_plan_only_job_succeeds_and_writes_artifacts(ray_head, job_dir, tmp_path
 def test_bad_spec_fails_with_the_config_error_in_the_logs(ray_head, job_dir):
     url, token = ray_head
     client = _client(url, token)
-    job_id = client.submit_job(entrypoint="ray-cluster-ft run bad.yaml --plan-only",
-                               runtime_env={"working_dir": str(job_dir)})
+    job_id = _submit(client, entrypoint="ray-cluster-ft run bad.yaml --plan-only",
+                     runtime_env={"working_dir": str(job_dir)})
     t0 = time.monotonic()
     assert _wait(client, job_id, timeout_s=180) == "FAILED"
     print(f"bad-spec job: {time.monotonic() - t0:.1f} s")

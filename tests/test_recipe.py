@@ -202,6 +202,7 @@ def test_resume_after_the_driver_stopped_mid_training(tmp_path, tiny_model_dir, 
     cfg.train.grad_accum = 1  # 4 steps per epoch
     cfg.train.checkpoint_every = 2
     cfg.train.max_failures = 0
+    cfg.evaluation.max_mc, cfg.evaluation.max_code, cfg.evaluation.paths = 0, 0, []  # scored by the module's run
     monkeypatch.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", "3")
     with pytest.raises(Exception, match="injected failure at step 3"):
         run_pipeline(cfg)
