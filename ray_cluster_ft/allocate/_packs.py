@@ -251,8 +251,9 @@ def _order_shared(groups: list[list[np.ndarray]], code: np.ndarray, nt: np.ndarr
     A cluster that :func:`_rank_groups` had to split is a collision in every light step where both ranks hold
     some of it. Laid at the end of one rank's rows and at the start of the other's (McNaughton's wrap-around,
     where no job runs on two machines at once), the two parts meet in no light step as long as together they
-    fill fewer light steps than one rank has. Coordinate descent: each rank holding a shared cluster in turn takes the order of its
-    groups (every order up to ``_ORDER_PERMS`` groups; otherwise each group moved to the front or the back)
+    fill at most as many light steps as one rank has (a rank dealt by LPT, :func:`_cut_rank`'s fallback, mixes
+    its clusters into every pack whatever the order). Coordinate descent: each rank holding a shared cluster in turn takes the order of its
+    groups (every order up to ``_ORDER_PERMS`` groups; otherwise each shared group moved to the front or the back)
     whose (light step, cluster) cells meet the other ranks' least; ties keep the current order. Two passes.
 
     Args:
@@ -553,8 +554,8 @@ def _collisions(members) -> int:
 
 # How far (x the largest bundle) two bundles' tokens may differ for _row_distinct to trade them. On the 6,000-row
 # sample (bench/plan_goals.py, tfidf, W = 4, k = 8) 0.01 left 5 collisions in 87 steps, 0.05 left 3 and 0.08
-# none, at +0.1% critical path: the repeats sit in the lighter re-cut steps, whose bundles differ from full ones
-# by about 5%.
+# none, for +0.1% critical path (W = 8, k = 16: 1 collision left at 0.01, +0.1%): the repeats sit in the lighter
+# re-cut steps, whose bundles differ from full ones by about 5%.
 _SWAP_GAP = 0.08
 
 
@@ -564,8 +565,8 @@ def _row_distinct(slots: np.ndarray, csets: list[frozenset], cost: np.ndarray, r
     in place: a cluster present in two bundles of one slot (whatever their majorities) is one collision.
 
     For each slot with a collision, every bundle that takes part in one may swap with a bundle of a slot at
-    most ``reach`` away whose cost differs by at most ``max_gap`` x the largest cost (a step's tokens grow by at
-    most that much); the swap that removes the most collisions from the two slots together (then the closest
+    most ``reach`` away whose cost differs by at most ``max_gap`` x the largest cost (each trade moves a step's
+    tokens by at most that much; trades can add up over a slot's retries and the passes); the swap that removes the most collisions from the two slots together (then the closest
     cost) is made, and the slot is tried again until no swap helps. Up to three passes over the plan.
     """
     n_slots, w = slots.shape
