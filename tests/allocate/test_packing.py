@@ -9,16 +9,8 @@ import pandas as pd
 import pytest
 
 from ray_cluster_ft.allocate import check_plan, make_plan, plan_metrics
-from ray_cluster_ft.allocate._packs import (
-    _cut_rank,
-    _even_count,
-    _light_collisions,
-    _light_packs,
-    _lpt,
-    _pack_stats,
-    _rank_groups,
-    bfd,
-)
+from ray_cluster_ft.allocate._light import _cut_rank, _light_collisions, _light_packs, _lpt, _rank_groups
+from ray_cluster_ft.allocate._packs import _even_count, _pack_stats, bfd
 
 
 def _bfd_reference(lengths, cap):
@@ -188,9 +180,9 @@ def test_light_packs_lay_a_split_cluster_in_different_steps_on_its_two_ranks():
     assert np.bincount(pack, weights=nt).tolist() == [3] * 6
     assert set(pack[code == 2] // 3) == {0, 1}  # still split over the two ranks
     assert _light_collisions(code, pack, per_rank=3, g=1) == 0
-    in_code_order = np.concatenate([r * 3 + _cut_rank(part, nt, 3, 100)
-                                    for r, part in enumerate(_rank_groups(rows, code, nt, 2, 0.1))])
-    assert _light_collisions(code[np.concatenate(_rank_groups(rows, code, nt, 2, 0.1))], in_code_order, 3, 1) == 1
+    parts = _rank_groups(rows, code, nt, 2, 0.1)
+    in_code_order = np.concatenate([r * 3 + _cut_rank(part, nt, 3, 100) for r, part in enumerate(parts)])
+    assert _light_collisions(code[np.concatenate(parts)], in_code_order, 3, 1) == 1
 
 
 @pytest.mark.parametrize("seed", range(30))
