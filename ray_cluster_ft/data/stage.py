@@ -86,6 +86,7 @@ def run(cfg: JobConfig, run_dir: Path, resume: bool = False) -> DataStage:
         flush=True,
     )
     eval_files = _eval_files(cfg, tok, run_dir)
+    _warn_eval_files(eval_files, set(data.train.column("example_id").to_pylist()))
     return DataStage(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files)
 
 
@@ -106,3 +107,18 @@ def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
             out[path] = load_examples(one, tok)
             fh.writelines(rej.to_json() + "\n" for rej in out[path].rejected)
     return out
+
+
+def _warn_eval_files(eval_files: dict[str, DataResult], candidate_ids: set[str]) -> None:
+    """One warning line per ``evaluation.paths`` file whose scores would mislead: no scorable row, or rows that
+    are also training candidates (same content hash), so its "held-out" scores are partly on trained rows. The run
+    goes on; the manifest's ``eval_files`` keeps the counts."""
+    for path, res in eval_files.items():
+        ids = res.train.column("example_id").to_pylist()
+        overlap = len(candidate_ids.intersection(ids))
+        if not ids:
+            print(f"[ray-cluster-ft] warning: evaluation file {path} has no row to score ({res.n_read} read, "
+                  f"{len(res.rejected)} rejected, see eval_rejected.jsonl)", flush=True)
+        elif overlap:
+            print(f"[ray-cluster-ft] warning: {overlap} of the {len(ids)} rows of evaluation file {path} are also "
+                  f"training candidates: its scores are not held out", flush=True)

@@ -118,3 +118,32 @@ def test_shared_data_reads_cleanly(demo_tokenizer):
     assert set(res.train.column("domain").to_pylist()) == {"code"}
     n = np.asarray(res.train.column("n_tokens").to_pylist())
     assert n.min() > 20 and n.max() <= 1024
+
+
+def test_evaluation_files_that_overlap_the_candidates_or_score_nothing_are_warned_about(tmp_path, tiny_model_dir,
+                                                                                        capsys):
+    from ray_cluster_ft.config import parse_config
+    from ray_cluster_ft.data.stage import run
+    from ray_cluster_ft.rundir import prepare_run_dir
+
+    rows = [{"prompt": f"question {i}", "response": f"answer {i}"} for i in range(10)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overlap = tmp_path / "overlap.jsonl"  # 3 training rows and 2 new ones
+    overlap.write_text("".join(json.dumps(r) + "\n" for r in rows[:3] + [{"prompt": "new", "response": "x"},
+                                                                         {"prompt": "new 2", "response": "y"}]))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text(json.dumps({"prompt": "other", "response": "z"}) + "\n")
+    cfg = parse_config({"data": {"paths": [str(train)], "eval_fraction": 0.0},
+                        "model": {"path": str(tiny_model_dir)},
+                        "evaluation": {"paths": [str(overlap), str(empty), str(clean)]},
+                        "output": {"dir": str(tmp_path / "run")}})
+    prepare_run_dir(tmp_path / "run", resume=False)
+    stage = run(cfg, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert f"warning: 3 of the 5 rows of evaluation file {overlap} are also training candidates" in out
+    assert f"warning: evaluation file {empty} has no row to score (0 read, 0 rejected" in out
+    assert str(clean) not in out
+    assert stage.eval_files[str(clean)].train.num_rows == 1
