@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ._op_locks import clear_stale_build_locks
 from .deepspeed import _disable_shm_comm, _make_scheduler, resolve_precision
 from .rank_data import _KEY
 from .step import ForwardTimer, collate_micro_batch, to_device, train_micro_batch
@@ -266,6 +267,7 @@ def _build_engine(config: dict, cfg: SimpleNamespace):
             r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
             target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
     t_load = time.perf_counter() - t0
+    clear_stale_build_locks()  # else a killed CPU Adam build makes initialize wait forever
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],

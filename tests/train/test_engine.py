@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -205,3 +206,27 @@ def test_zero3_dict_gathers_16bit_weights_on_save():
     assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert "stage3_gather_16bit_weights_on_model_save" not in deepspeed_config(TrainConfig(zero_stage=2), 1)[
         "zero_optimization"]
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, capsys):
+    """torch waits forever on an op's lock file: a stale one (old, no process building in its folder) goes, a
+    fresh one or one whose build runs (a process working in the folder) stays."""
+    from ray_cluster_ft.train._op_locks import clear_stale_build_locks
+
+    old = time.time() - 3600
+    for op in ("cpu_adam", "building", "fresh"):
+        (tmp_path / op).mkdir()
+        (tmp_path / op / "lock").touch()
+    for op in ("cpu_adam", "building"):
+        os.utime(tmp_path / op / "lock", (old, old))
+    build = subprocess.Popen(["sleep", "60"], cwd=tmp_path / "building")  # stands in for ninja
+    try:
+        removed = clear_stale_build_locks(tmp_path)
+    finally:
+        build.kill()
+        build.wait()
+    assert removed == [tmp_path / "cpu_adam" / "lock"]
+    assert not (tmp_path / "cpu_adam" / "lock").exists()
+    assert (tmp_path / "building" / "lock").exists() and (tmp_path / "fresh" / "lock").exists()
+    assert f"removed the build lock {tmp_path / 'cpu_adam' / 'lock'}, left 60 min ago" in capsys.readouterr().out
+    assert clear_stale_build_locks(tmp_path / "missing") == []
