@@ -49,11 +49,25 @@ def demo_tokenizer():
     return load_tokenizer("demo")
 
 
+def local_ray_kwargs(**extra) -> dict:
+    """``ray.init`` arguments of a test's own local Ray: 2 CPUs, no dashboard, and a dashboard port nothing listens
+    on. Without a dashboard Ray still records ``127.0.0.1:8265`` as its State API address; Ray Train's placement
+    group cleaner then asks whatever answers there (the other xdist worker's pipeline, which has a dashboard) about
+    this run's controller, is told it does not exist, and removes the live run's placement group: the workers die
+    ("Destroying worker since its placement group was removed")."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"address": "local", "num_cpus": 2, "include_dashboard": False, "dashboard_port": port, **extra}
+
+
 @pytest.fixture(scope="module")
 def ray_cpu():
     """A local Ray with 2 CPUs for the module's tests; CPU workers get ``DS_ACCELERATOR=cpu``."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}})
+    ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}))
     yield ray
     ray.shutdown()

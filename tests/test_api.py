@@ -17,6 +17,7 @@ from ray_cluster_ft.config import ConfigError, load_config
 from ray_cluster_ft.data import canonicalize, example_id
 from ray_cluster_ft.features import read_sketches
 from ray_cluster_ft.features.stage import finish_features
+from tests.conftest import local_ray_kwargs
 
 from .test_plan_pin import FIXTURE, files_spec
 
@@ -88,7 +89,7 @@ def test_compute_features_on_ray_is_the_feature_stage(plan_only_run, tiny_model_
     import ray
 
     out, cfg, examples, feats = plan_only_run
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(**local_ray_kwargs(log_to_driver=False))
     try:
         got = rcf.compute_features(examples, str(tiny_model_dir), cfg)
     finally:

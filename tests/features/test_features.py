@@ -21,6 +21,7 @@ from ray_cluster_ft.features import (
     sketch_batch,
 )
 from ray_cluster_ft.model import load_model, make_tiny_model
+from tests.conftest import local_ray_kwargs
 
 from ._helpers import examples as _examples
 from ._helpers import pad as _pad
@@ -267,7 +268,7 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
     # Left-overs of an older layout and of a killed writer: removed before sketching.
     pq.write_table(pa.table({"example_id": ["stale"]}), out_dir / "part-0.parquet")
     (out_dir / ".shard-00001-abc.parquet.1234.tmp").write_bytes(b"half")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(**local_ray_kwargs(log_to_driver=False))
     try:
         # Default pool: one actor per CPU, one CPU left free in all for Ray Data's own tasks.
         assert sketch_mod._actor_resources(SketchConfig(), use_gpu=False) == (2, 0.5)
