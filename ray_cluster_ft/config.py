@@ -285,6 +285,15 @@ class SelectionConfig(_Section):
         if self.budget_tokens is not None and self.strategy not in ("balanced", "random"):
             raise ValueError(f"selection.budget_tokens applies to 'balanced' and 'random', not {self.strategy!r} "
                              f"('full' takes every row, 'equalize' sizes clusters by selection.ratio)")
+        # A value the strategy would ignore is refused only when it differs from the default: the config.yaml a
+        # run saves (for --resume) holds every key, defaults included, and must load again.
+        default = type(self).model_fields
+        if self.budget_tokens is not None and self.budget != default["budget"].default:
+            raise ValueError(f"selection.budget ({self.budget}) and selection.budget_tokens ({self.budget_tokens}) "
+                             "both set: budget_tokens replaces budget; keep one")
+        if self.strategy != "equalize" and self.ratio != default["ratio"].default:
+            raise ValueError(f"selection.ratio ({self.ratio}) applies to 'equalize' only, not {self.strategy!r} "
+                             "(which selection.budget sizes)")
         return self
 
     @field_validator("budget")

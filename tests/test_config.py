@@ -265,6 +265,23 @@ def test_published_options_parse():
         parse_config({"clustering": {"k": True}})
 
 
+def test_a_selection_key_the_strategy_ignores_is_refused_unless_it_keeps_its_default():
+    with pytest.raises(ConfigError, match=r"selection.ratio \(0.3\) applies to 'equalize' only, not 'balanced'"):
+        parse_config({"selection": {"ratio": 0.3}})
+    with pytest.raises(ConfigError, match="selection.ratio .* not 'random'"):
+        parse_config({"selection": {"strategy": "random", "ratio": 0.8}})
+    with pytest.raises(ConfigError, match=r"selection.budget \(0.5\) and selection.budget_tokens \(0.2\) both set"):
+        parse_config({"selection": {"budget": 0.5, "budget_tokens": 0.2}})
+    with pytest.raises(ConfigError, match="budget_tokens replaces budget"):
+        parse_config({"preset": "cluster-paper", "selection": {"strategy": "balanced", "budget": 100,
+                                                               "budget_tokens": 5000}})
+    # A saved spec holds every key with its default (config.yaml, for --resume): it loads again.
+    for raw in ({"selection": {"budget_tokens": 0.2}}, {"selection": {"strategy": "random", "budget": 0.4}},
+                {"preset": "cluster-paper", "selection": {"strategy": "balanced"}}):
+        cfg = parse_config(raw)
+        assert parse_config(cfg.model_dump(mode="json")) == cfg
+
+
 def test_preset_cluster_paper_fills_the_published_configuration_and_spec_keys_win(tmp_path, capsys):
     from ray_cluster_ft.cli import main
 
