@@ -174,8 +174,8 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
         rows = []
         for d, v in ev["before"].items():
             after = ev.get("after", {}).get(d, {})
-            rows.append([d, v["examples"], v["loss"], after.get("loss", float("nan")), v["perplexity"],
-                         after.get("perplexity", float("nan"))])
+            rows.append([d, v["examples"], v["loss"], after.get("loss", ""), v["perplexity"],
+                         after.get("perplexity", "")])
         lines += ["## Held-out loss (response tokens, nats/token)", "",
                   _table(["domain", "examples", "loss before", "loss after", "ppl before", "ppl after"], rows), ""]
         if manifest.get("train") and not manifest.get("config", {}).get("output", {}).get("save_model", True):
@@ -187,7 +187,7 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
             for key, count, label in (("mc_accuracy", "mc_items", "multiple-choice accuracy"),
                                       ("pass_at_1", "code_problems", "pass@1")):
                 if key in v:
-                    task_rows.append([d, label, v.get(count, ""), v[key], after.get(key, float("nan"))])
+                    task_rows.append([d, label, v.get(count, ""), v[key], after.get(key, "")])
         if task_rows:
             lines += ["## Held-out task scores", "",
                       _table(["domain", "metric", "items", "before", "after"], task_rows), "",
@@ -200,12 +200,13 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
         for path, f in files.items():
             b, a = f["before"].get("all", {}), f["after"].get("all", {})
             rows.append([Path(path).name, f["scored"], f["rejected"], f["overlap_with_candidates"],
-                         b.get("loss", float("nan")), a.get("loss", float("nan")),
-                         b.get("mc_accuracy", ""), a.get("mc_accuracy", ""), b.get("pass_at_1", ""),
-                         a.get("pass_at_1", "")])
+                         b.get("loss", ""), a.get("loss", ""), b.get("mc_accuracy", ""), a.get("mc_accuracy", ""),
+                         b.get("pass_at_1", ""), a.get("pass_at_1", "")])
         lines += ["## Extra held-out files (`evaluation.paths`)", "",
                   _table(["file", "scored", "rejected", "also candidates", "loss before", "loss after",
                           "MC before", "MC after", "pass@1 before", "pass@1 after"], rows), ""]
+        if not any(f["before"] or f["after"] for f in files.values()):
+            lines += ["Not scored: this run evaluated nothing (`--plan-only`).", ""]
 
     pm = manifest.get("plan_metrics", {})
     if pm:

@@ -622,8 +622,13 @@ def test_report_says_why_there_is_no_evaluation_after_training(tmp_path):
                 "config": {"output": {"save_model": False}},
                 "eval": {"before": {"all": {"examples": 2, "loss": 1.0, "perplexity": 2.7}}, "after": {}}}
     report = write_report(tmp_path, manifest, plan, None, np.arange(8)).read_text()
-    assert "| all | 2 | 1 | nan | 2.7 | nan |" in report
+    assert "| all | 2 | 1 |  | 2.7 |  |" in report  # not measured: blank, not nan
     assert "No evaluation after training: `output.save_model` is false, so no final model was written." in report
+    manifest["eval_files"] = {"/x/held.jsonl": {"read": 3, "scored": 2, "rejected": 1, "overlap_with_candidates": 0,
+                                                "before": {}, "after": {}}}  # a --plan-only run scores nothing
+    report = write_report(tmp_path, manifest, plan, None, np.arange(8)).read_text()
+    assert "| held.jsonl | 2 | 1 | 0 |  |  |  |  |  |  |" in report and "nan" not in report
+    assert "Not scored: this run evaluated nothing (`--plan-only`)." in report
 
 
 def test_report_tables_escape_values_from_the_data():
