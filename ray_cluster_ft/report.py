@@ -126,6 +126,51 @@ def _cluster_map_lines(clustering: dict) -> list[str]:
     return out
 
 
+def _eval_lines(manifest: dict) -> list[str]:
+    """The report's held-out sections: loss and task scores before and after training, and the extra
+    ``evaluation.paths`` files. A score that was not measured is a blank cell."""
+    lines: list[str] = []
+    ev = manifest.get("eval", {})
+    if ev.get("before"):
+        rows = []
+        for d, v in ev["before"].items():
+            after = ev.get("after", {}).get(d, {})
+            rows.append([d, v["examples"], v["loss"], after.get("loss", ""), v["perplexity"],
+                         after.get("perplexity", "")])
+        lines += ["## Held-out loss (response tokens, nats/token)", "",
+                  _table(["domain", "examples", "loss before", "loss after", "ppl before", "ppl after"], rows), ""]
+        if manifest.get("train") and not manifest.get("config", {}).get("output", {}).get("save_model", True):
+            lines += ["No evaluation after training: `output.save_model` is false, so no final model was written.",
+                      ""]
+        task_rows = []
+        for d, v in ev["before"].items():
+            after = ev.get("after", {}).get(d, {})
+            for key, count, label in (("mc_accuracy", "mc_items", "multiple-choice accuracy"),
+                                      ("pass_at_1", "code_problems", "pass@1")):
+                if key in v:
+                    task_rows.append([d, label, v.get(count, ""), v[key], after.get(key, "")])
+        if task_rows:
+            lines += ["## Held-out task scores", "",
+                      _table(["domain", "metric", "items", "before", "after"], task_rows), "",
+                      "Per item (predictions, completions, test output): `eval_before_samples.jsonl`, "
+                      "`eval_after_samples.jsonl`.", ""]
+
+    files = manifest.get("eval_files") or {}
+    if files:
+        rows = []
+        for path, f in files.items():
+            b, a = f["before"].get("all", {}), f["after"].get("all", {})
+            rows.append([Path(path).name, f["scored"], f["rejected"], f["overlap_with_candidates"],
+                         b.get("loss", ""), a.get("loss", ""), b.get("mc_accuracy", ""), a.get("mc_accuracy", ""),
+                         b.get("pass_at_1", ""), a.get("pass_at_1", "")])
+        lines += ["## Extra held-out files (`evaluation.paths`)", "",
+                  _table(["file", "scored", "rejected", "also candidates", "loss before", "loss after",
+                          "MC before", "MC after", "pass@1 before", "pass@1 after"], rows), ""]
+        if not any(f["before"] or f["after"] for f in files.values()):
+            lines += ["Not scored: this run evaluated nothing (`--plan-only`).", ""]
+    return lines
+
+
 # One section of report.md after another; each figure is its own helper above.
 def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.ndarray | None,
                  selected_idx: np.ndarray, baseline_plan: pd.DataFrame | None = None) -> Path:
@@ -169,44 +214,7 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
                   f"gets the same number of full micro-batches.", ""]
     lines += ["## Stage timings (s)", "", _table(list(manifest["timings_s"]), [list(manifest["timings_s"].values())]), ""]
 
-    ev = manifest.get("eval", {})
-    if ev.get("before"):
-        rows = []
-        for d, v in ev["before"].items():
-            after = ev.get("after", {}).get(d, {})
-            rows.append([d, v["examples"], v["loss"], after.get("loss", ""), v["perplexity"],
-                         after.get("perplexity", "")])
-        lines += ["## Held-out loss (response tokens, nats/token)", "",
-                  _table(["domain", "examples", "loss before", "loss after", "ppl before", "ppl after"], rows), ""]
-        if manifest.get("train") and not manifest.get("config", {}).get("output", {}).get("save_model", True):
-            lines += ["No evaluation after training: `output.save_model` is false, so no final model was written.",
-                      ""]
-        task_rows = []
-        for d, v in ev["before"].items():
-            after = ev.get("after", {}).get(d, {})
-            for key, count, label in (("mc_accuracy", "mc_items", "multiple-choice accuracy"),
-                                      ("pass_at_1", "code_problems", "pass@1")):
-                if key in v:
-                    task_rows.append([d, label, v.get(count, ""), v[key], after.get(key, "")])
-        if task_rows:
-            lines += ["## Held-out task scores", "",
-                      _table(["domain", "metric", "items", "before", "after"], task_rows), "",
-                      "Per item (predictions, completions, test output): `eval_before_samples.jsonl`, "
-                      "`eval_after_samples.jsonl`.", ""]
-
-    files = manifest.get("eval_files") or {}
-    if files:
-        rows = []
-        for path, f in files.items():
-            b, a = f["before"].get("all", {}), f["after"].get("all", {})
-            rows.append([Path(path).name, f["scored"], f["rejected"], f["overlap_with_candidates"],
-                         b.get("loss", ""), a.get("loss", ""), b.get("mc_accuracy", ""), a.get("mc_accuracy", ""),
-                         b.get("pass_at_1", ""), a.get("pass_at_1", "")])
-        lines += ["## Extra held-out files (`evaluation.paths`)", "",
-                  _table(["file", "scored", "rejected", "also candidates", "loss before", "loss after",
-                          "MC before", "MC after", "pass@1 before", "pass@1 after"], rows), ""]
-        if not any(f["before"] or f["after"] for f in files.values()):
-            lines += ["Not scored: this run evaluated nothing (`--plan-only`).", ""]
+    lines += _eval_lines(manifest)
 
     pm = manifest.get("plan_metrics", {})
     if pm:
