@@ -157,6 +157,39 @@ def _check_plan(plan: pd.DataFrame, world: int, cfg: TrainConfig, packing: bool)
 
 
 # Long for its docstring (about 50 lines: arguments, fault tolerance, errors); the trainer is built by _trainer.
+def _clear_run_dir(run_dir: str | Path, resume: bool) -> Path:
+    """The absolute run directory, made, with the training outputs of an earlier run removed (a resume keeps
+    its checkpoints, trained rows and step log)."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Ray Train resumes from any checkpoint under the same RunConfig(name, storage_path): a fresh run must
+    # not find the last run's.
+    for stale in ["final_model"] if resume else ["trained", "final_model", "ray_train"]:
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    (run_dir / "trained").mkdir(exist_ok=True)
+    for stale in ("trained.parquet",) if resume else ("train_log.jsonl", "trained.parquet"):
+        (run_dir / stale).unlink(missing_ok=True)
+    return run_dir
+
+
+def _check_trained(run_dir: Path, world: int, plan: pd.DataFrame) -> Path:
+    """Write the rows the workers trained to ``run_dir/trained.parquet`` and return its path.
+
+    Raises:
+        RuntimeError: they are not exactly the plan's rows, in the plan's order on every rank.
+    """
+    trained = _consolidate_trained(run_dir, world)
+    trained_path = run_dir / "trained.parquet"
+    trained.to_parquet(trained_path, index=False)
+    expected = plan.sort_values(["rank", *_KEY], kind="stable")
+    same = all(
+        np.array_equal(trained[c].to_numpy(), expected[c].to_numpy(np.int64)) for c in ("rank", *_KEY)
+    ) and np.array_equal(trained["example_id"].to_numpy(), expected["example_id"].astype(str).to_numpy())
+    if not same:
+        raise RuntimeError(f"the workers did not train the plan: see {trained_path}")
+    return trained_path
+
+
 def train(
     plan: pd.DataFrame,
     examples: pa.Table | pd.DataFrame,
@@ -236,16 +269,7 @@ def train(
         # Loaded before the run so a model folder without a tokenizer fails now, not after training.
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
-    run_dir = Path(run_dir).expanduser().resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # Ray Train resumes from any checkpoint under the same RunConfig(name, storage_path): a fresh run must
-    # not find the last run's.
-    stale_dirs = ["final_model"] if resume else ["trained", "final_model", "ray_train"]
-    for stale in stale_dirs:
-        shutil.rmtree(run_dir / stale, ignore_errors=True)
-    (run_dir / "trained").mkdir(exist_ok=True)
-    for stale in ("trained.parquet",) if resume else ("train_log.jsonl", "trained.parquet"):
-        (run_dir / stale).unlink(missing_ok=True)
+    run_dir = _clear_run_dir(run_dir, resume)
 
     storage = run_dir / "ray_train" / "train"
     this_plan = plan_hash(plan)
@@ -279,15 +303,7 @@ def train(
     prune_checkpoints(storage, keep if cfg.final_checkpoint else None)
     keep = keep if cfg.final_checkpoint else None
 
-    trained = _consolidate_trained(run_dir, world)
-    trained_path = run_dir / "trained.parquet"
-    trained.to_parquet(trained_path, index=False)
-    expected = plan.sort_values(["rank", *_KEY], kind="stable")
-    same = all(
-        np.array_equal(trained[c].to_numpy(), expected[c].to_numpy(np.int64)) for c in ("rank", *_KEY)
-    ) and np.array_equal(trained["example_id"].to_numpy(), expected["example_id"].astype(str).to_numpy())
-    if not same:
-        raise RuntimeError(f"the workers did not train the plan: see {trained_path}")
+    trained_path = _check_trained(run_dir, world, plan)
 
     log_path = run_dir / "train_log.jsonl"
     log = pd.read_json(log_path, lines=True)
