@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("--resume RUN_DIR takes the job spec and output directory saved in RUN_DIR; "
                                   "drop CONFIG and --output")
             path = Path(resume) / "config.yaml"
+            if not Path(resume).is_dir():
+                raise ConfigError(f"--resume {resume}: " + ("a file, not a run directory" if Path(resume).exists()
+                                                             else "no such directory"))
             if not path.is_file():
                 raise ConfigError(f"--resume {resume}: no config.yaml there (not a ray-cluster-ft run directory)")
             overrides = {"output.dir": str(Path(resume).resolve())}

@@ -577,7 +577,19 @@ def parse_config(raw: dict | None) -> JobConfig:
     try:
         return JobConfig.model_validate(_with_preset(raw))
     except ValidationError as err:
-        raise ConfigError(_format_errors(err)) from None
+        raise ConfigError(_format_errors(err) + _preset_note(raw, err)) from None
+
+
+def _preset_note(raw: dict, err: ValidationError) -> str:
+    """What the spec's preset set in the sections an error names: the user may not have written the value the
+    error is about."""
+    preset = PRESETS.get(raw.get("preset")) if isinstance(raw.get("preset"), str) else None
+    if not preset:
+        return ""
+    sections = {e["loc"][0] for e in err.errors() if e["loc"]}
+    filled = [f"{sec}.{k}={v}" for sec in preset if sec in sections for k, v in preset[sec].items()
+              if k not in (raw.get(sec) or {})]
+    return f" (preset {raw['preset']!r} sets {', '.join(filled)}; a key in the spec overrides it)" if filled else ""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -142,9 +142,9 @@ def prepare_run_dir(run_dir: Path, resume: bool, inputs: Iterable[Path] = ()) ->
         listed = set(ledger["paths"]) if ledger else set()
         foreign = sorted(x.name for x in run_dir.iterdir() if x.name != RUN_MARKER and x.name not in listed)
         if foreign:
-            why = ("its ledger does not list" if ledger else
-                   "it has no ray-cluster-ft run marker, so no run wrote")
-            raise ConfigError(f"output.dir {run_dir} holds {foreign[0]!r}, which {why} it; nothing was touched "
+            why = ("which its ledger does not list" if ledger else
+                   "and has no ray-cluster-ft run marker, so no run wrote it")
+            raise ConfigError(f"output.dir {run_dir} holds {foreign[0]!r} {why}; nothing was touched "
                               f"(use a new or empty directory)")
         if resume and ledger is None:
             raise ConfigError(f"--resume {run_dir}: no ray-cluster-ft run marker there; nothing was touched")

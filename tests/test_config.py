@@ -296,6 +296,9 @@ def test_preset_cluster_paper_fills_the_published_configuration_and_spec_keys_wi
             mine.train.loss_weighting) == (0.75, "peripheral", 3, "kmeans", "none")
     with pytest.raises(ConfigError, match="preset: Input should be 'cluster-paper'"):
         parse_config({"preset": "paper"})
+    with pytest.raises(ConfigError, match=r"not 'equalize' .* \(preset 'cluster-paper' sets selection.strategy=equalize, "
+                                          r"selection.ratio=0.5, selection.within=peripheral; a key in the spec overrides"):
+        parse_config({"preset": "cluster-paper", "selection": {"budget_tokens": 0.3}})
     spec = tmp_path / "paper.yaml"
     spec.write_text("preset: cluster-paper\nselection:\n  ratio: 1.0\n")
     assert main(["check", str(spec)]) == 0

@@ -228,7 +228,13 @@ def test_resume_refuses_a_changed_plan_and_a_missing_run(run, tmp_path, capsys):
     from ray_cluster_ft.cli import main
 
     assert main(["run", "--resume", str(tmp_path / "nowhere")]) == 2
-    assert "no config.yaml there" in capsys.readouterr().err
+    assert f"--resume {tmp_path / 'nowhere'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("x")
+    assert main(["run", "--resume", str(tmp_path / "a_file")]) == 2
+    assert "a_file: a file, not a run directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["run", "--resume", str(tmp_path / "empty")]) == 2
+    assert "empty: no config.yaml there (not a ray-cluster-ft run directory)" in capsys.readouterr().err
     out = tmp_path / "run"
     shutil.copytree(run[0], out, ignore=shutil.ignore_patterns("ray_train", "final_model", "trained*"))
     spec = (out / "config.yaml").read_text()

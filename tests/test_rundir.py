@@ -30,7 +30,7 @@ def test_files_named_like_artifacts_are_no_proof(tmp_path, names):
     for n in names:
         (folder / n).write_text(f"the user's {n}")  # an empty or foreign marker is no proof either
     before = {p.name: p.read_text() for p in folder.iterdir()}
-    with pytest.raises(ConfigError, match="holds '.*', which it has no ray-cluster-ft run marker, so no run wrote "
+    with pytest.raises(ConfigError, match="holds '.*' and has no ray-cluster-ft run marker, so no run wrote "
                                           "it; nothing was touched"):
         prepare_run_dir(folder, resume=False)
     with pytest.raises(ConfigError, match="nothing was touched"):
@@ -60,7 +60,7 @@ def test_an_unlisted_entry_in_an_owned_folder_is_refused_and_kept(tmp_path):
     prepare_run_dir(run, resume=False)
     claim(run, "plan.parquet").write_text("ours")
     (run / "report.md").write_text("the user's notes")  # named like an artifact, but never claimed
-    with pytest.raises(ConfigError, match="holds 'report.md', which its ledger does not list"):
+    with pytest.raises(ConfigError, match="holds 'report.md' which its ledger does not list; nothing"):
         prepare_run_dir(run, resume=False)
     assert (run / "report.md").read_text() == "the user's notes" and (run / "plan.parquet").exists()
     # A stage never writes over it either.

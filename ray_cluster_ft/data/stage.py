@@ -104,7 +104,10 @@ def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
         for path in cfg.evaluation.paths:
             one = DataConfig(source="files", paths=[path], max_seq_len=d.max_seq_len, overlong=d.overlong,
                              eval_fraction=0.0, max_eval=0, seed=d.seed)
-            out[path] = load_examples(one, tok)
+            try:
+                out[path] = load_examples(one, tok)
+            except FileNotFoundError as err:  # else it reads as a data.paths file
+                raise FileNotFoundError(f"evaluation.paths: {err}") from None
             fh.writelines(rej.to_json() + "\n" for rej in out[path].rejected)
     return out
 

@@ -147,3 +147,7 @@ def test_evaluation_files_that_overlap_the_candidates_or_score_nothing_are_warne
     assert f"warning: evaluation file {empty} has no row to score (0 read, 0 rejected" in out
     assert str(clean) not in out
     assert stage.eval_files[str(clean)].train.num_rows == 1
+    missing = tmp_path / "missing.jsonl"
+    cfg = cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"paths": [str(missing)]})})
+    with pytest.raises(FileNotFoundError, match=f"^evaluation.paths: data file not found: {missing}$"):
+        run(cfg, tmp_path / "run")  # named by its key: a data.paths file reads the same
