@@ -126,13 +126,18 @@ def prepare_run_dir(run_dir: Path, resume: bool, inputs: Iterable[Path] = ()) ->
     older manifest beside its new data. ``resume`` keeps everything and the run id.
 
     Raises:
-        ConfigError: ``run_dir`` is a file or cannot be created; an input of the job lies inside it; it holds
+        ConfigError: ``run_dir`` is a file or cannot be created, or lies inside another run's directory; an input
+            of the job lies inside it; it holds
             an entry that no run recorded (named; nothing is touched); ``resume`` of a folder with no marker.
     """
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"output.dir {run_dir} is a file, not a directory")
     here = run_dir.resolve() if run_dir.exists() else run_dir.absolute()
+    outer = next((p for p in here.parents if (p / RUN_MARKER).is_file()), None)
+    if outer is not None:  # the outer run could never run again: it refuses a folder its ledger does not list
+        raise ConfigError(f"output.dir {run_dir} lies inside the run directory {outer}; give it a folder outside "
+                          f"that run")
     for p in inputs:
         if p == here or here in p.parents:
             raise ConfigError(f"output.dir {run_dir} holds an input of this job ({p}); a run replaces what it wrote "

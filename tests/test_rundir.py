@@ -55,6 +55,17 @@ def test_a_fresh_run_removes_only_what_its_ledger_lists(tmp_path):
     assert read_ledger(run)["paths"] == ["sketches"]
 
 
+def test_a_run_directory_inside_another_run_is_refused(tmp_path):
+    outer = tmp_path / "runs" / "x"
+    prepare_run_dir(outer, resume=False)
+    for inner in (outer / "sub", outer / "a" / "b"):
+        with pytest.raises(ConfigError, match=f"output.dir {inner} lies inside the run directory {outer}; give it"):
+            prepare_run_dir(inner, resume=False)
+    assert sorted(p.name for p in outer.iterdir()) == [RUN_MARKER]  # nothing made there: the outer run still runs
+    prepare_run_dir(outer, resume=False)
+    prepare_run_dir(tmp_path / "runs" / "y", resume=False)  # a sibling is fine
+
+
 def test_an_unlisted_entry_in_an_owned_folder_is_refused_and_kept(tmp_path):
     run = tmp_path / "run"
     prepare_run_dir(run, resume=False)
