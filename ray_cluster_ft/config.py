@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from ._presets import PRESETS, preset_note, with_preset
+
 __all__ = [
     "ConfigError",
     "DataConfig",
@@ -440,37 +442,6 @@ class OutputConfig(_Section):
     save_model: bool = True
 
 
-PRESETS: dict[str, dict] = {
-    # The published method as its official code runs it (kaist-dmlab/CluSTER, src/CluSTER/call_back.py):
-    # last-layer gradient proxy, KMeans with k = the number of GPUs and a 1.5 N/K soft cap, every cluster cut
-    # to half the smallest one keeping the points farthest from their centroid, rank r trains cluster r, and
-    # each rank's loss weighted back to its cluster's share of the data.
-    "cluster-paper": {
-        "sketch": {"method": "last_layer"},
-        "clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.5, "cap_by": "rows"},
-        "selection": {"strategy": "equalize", "ratio": 0.5, "within": "peripheral"},
-        "allocation": {"strategy": "cluster_per_rank"},
-        "train": {"loss_weighting": "cluster"},
-    },
-}
-"""Named sets of keys a spec's ``preset:`` fills in; keys written in the spec override them."""
-
-
-def _with_preset(raw: dict) -> dict:
-    """``raw`` merged over its preset's keys (recursively, the spec's values win)."""
-    name = raw.get("preset")
-    if name is None or not isinstance(name, str) or name not in PRESETS:
-        return raw  # the Literal field reports an unknown or mistyped name
-
-    def merge(base: dict, over: dict) -> dict:
-        out = dict(base)
-        for k, v in over.items():
-            out[k] = merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
-        return out
-
-    return merge(PRESETS[name], raw)
-
-
 class JobConfig(_Section):
     """The whole job: one section per stage, and an optional ``preset`` (:data:`PRESETS`) whose keys the
     spec's own keys override."""
@@ -575,21 +546,9 @@ def parse_config(raw: dict | None) -> JobConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"invalid job config: the top level must be a mapping of sections, got {type(raw).__name__}")
     try:
-        return JobConfig.model_validate(_with_preset(raw))
+        return JobConfig.model_validate(with_preset(raw))
     except ValidationError as err:
-        raise ConfigError(_format_errors(err) + _preset_note(raw, err)) from None
-
-
-def _preset_note(raw: dict, err: ValidationError) -> str:
-    """What the spec's preset set in the sections an error names: the user may not have written the value the
-    error is about."""
-    preset = PRESETS.get(raw.get("preset")) if isinstance(raw.get("preset"), str) else None
-    if not preset:
-        return ""
-    sections = {e["loc"][0] for e in err.errors() if e["loc"]}
-    filled = [f"{sec}.{k}={v}" for sec in preset if sec in sections for k, v in preset[sec].items()
-              if k not in (raw.get(sec) or {})]
-    return f" (preset {raw['preset']!r} sets {', '.join(filled)}; a key in the spec overrides it)" if filled else ""
+        raise ConfigError(_format_errors(err) + preset_note(raw, err)) from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

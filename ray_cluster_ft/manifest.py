@@ -141,12 +141,10 @@ def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, dat
 def _eval_files(data, scores: dict) -> dict:
     """Per ``evaluation.paths`` file: rows read, scored and rejected, rows that are also training candidates
     (same content hash: the file overlaps the training data), and the scores before and after training."""
-    train_ids = set(data.result.train.column("example_id").to_pylist())
     out = {}
     for path, res in data.eval_files.items():
-        ids = res.train.column("example_id").to_pylist()
-        out[path] = {"read": res.n_read, "scored": len(ids), "rejected": len(res.rejected),
-                     "overlap_with_candidates": len(train_ids.intersection(ids)),
+        out[path] = {"read": res.n_read, "scored": res.train.num_rows, "rejected": len(res.rejected),
+                     "overlap_with_candidates": data.eval_overlap[path],
                      "before": scores.get("files_before", {}).get(path, {}),
                      "after": scores.get("files_after", {}).get(path, {})}
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -49,18 +50,20 @@ def demo_tokenizer():
     return load_tokenizer("demo")
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def local_ray_kwargs(**extra) -> dict:
     """``ray.init`` arguments of a test's own local Ray: 2 CPUs, no dashboard, and a dashboard port nothing listens
     on. Without a dashboard Ray still records ``127.0.0.1:8265`` as its State API address; Ray Train's placement
     group cleaner then asks whatever answers there (the other xdist worker's pipeline, which has a dashboard) about
     this run's controller, is told it does not exist, and removes the live run's placement group: the workers die
     ("Destroying worker since its placement group was removed")."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"address": "local", "num_cpus": 2, "include_dashboard": False, "dashboard_port": port, **extra}
+    return {"address": "local", "num_cpus": 2, "include_dashboard": False, "dashboard_port": free_port(), **extra}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,17 +25,12 @@ import pytest
 import yaml
 
 from tests._processes import stop_started
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent  # the venv's bin: `ray` and the `ray-cluster-ft` entry point
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, token: str | None = None) -> int:
@@ -68,8 +62,8 @@ def ray_head():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path), RAY_USAGE_STATS_ENABLED="0",
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1")
-    dash = _free_port()
-    ports = {flag: _free_port() for flag in (
+    dash = free_port()
+    ports = {flag: free_port() for flag in (
         "--port", "--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
         "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port", "--object-manager-port")}
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--include-dashboard=true",

@@ -29,17 +29,12 @@ import pytest
 import yaml
 
 from tests._processes import stop_started
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _can_unshare_mounts() -> str | None:
@@ -56,8 +51,8 @@ def _can_unshare_mounts() -> str | None:
 def _node_ports() -> list[str]:
     flags = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
-    lo = _free_port()
-    return [f"{f}={_free_port()}" for f in flags] + [f"--min-worker-port={lo}", f"--max-worker-port={lo + 40}"]
+    lo = free_port()
+    return [f"{f}={free_port()}" for f in flags] + [f"--min-worker-port={lo}", f"--max-worker-port={lo + 40}"]
 
 
 def _rows() -> list[dict]:
@@ -85,9 +80,9 @@ def two_nodes():
     env.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep),
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
-    port = _free_port()
+    port = free_port()
     head_cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
-                "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
+                "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
                 f"--temp-dir={tmp / 'head'}", "--disable-usage-stats", *_node_ports()]
     head_log = open(tmp / "head.log", "w")  # noqa: SIM115 - closed after stop_started
     head = subprocess.Popen(head_cmd, env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -27,6 +27,8 @@ class DataStage:
         result: the accepted (candidate and held-out) and rejected rows, :class:`DataResult`.
         reasons: rejected rows per reason category (:func:`reason_category`).
         eval_files: per ``evaluation.paths`` entry, its rows (all accepted rows in ``train``, none held out).
+        eval_overlap: per ``evaluation.paths`` entry, how many of its rows are also training candidates (same
+            content hash).
     """
 
     model_path: str
@@ -35,6 +37,7 @@ class DataStage:
     result: DataResult
     reasons: dict
     eval_files: dict = field(default_factory=dict)
+    eval_overlap: dict = field(default_factory=dict)
 
 
 def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
@@ -86,8 +89,11 @@ def run(cfg: JobConfig, run_dir: Path, resume: bool = False) -> DataStage:
         flush=True,
     )
     eval_files = _eval_files(cfg, tok, run_dir)
-    _warn_eval_files(eval_files, set(data.train.column("example_id").to_pylist()))
-    return DataStage(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files)
+    candidates = set(data.train.column("example_id").to_pylist())
+    overlap = {path: len(candidates.intersection(res.train.column("example_id").to_pylist()))
+               for path, res in eval_files.items()}
+    _warn_eval_files(eval_files, overlap)
+    return DataStage(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files, overlap)
 
 
 def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
@@ -112,16 +118,14 @@ def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
     return out
 
 
-def _warn_eval_files(eval_files: dict[str, DataResult], candidate_ids: set[str]) -> None:
+def _warn_eval_files(eval_files: dict[str, DataResult], overlap: dict[str, int]) -> None:
     """One warning line per ``evaluation.paths`` file whose scores would mislead: no scorable row, or rows that
     are also training candidates (same content hash), so its "held-out" scores are partly on trained rows. The run
     goes on; the manifest's ``eval_files`` keeps the counts."""
     for path, res in eval_files.items():
-        ids = res.train.column("example_id").to_pylist()
-        overlap = len(candidate_ids.intersection(ids))
-        if not ids:
+        if not res.train.num_rows:
             print(f"[ray-cluster-ft] warning: evaluation file {path} has no row to score ({res.n_read} read, "
                   f"{len(res.rejected)} rejected, see eval_rejected.jsonl)", flush=True)
-        elif overlap:
-            print(f"[ray-cluster-ft] warning: {overlap} of the {len(ids)} rows of evaluation file {path} are also "
-                  f"training candidates: its scores are not held out", flush=True)
+        elif overlap[path]:
+            print(f"[ray-cluster-ft] warning: {overlap[path]} of the {res.train.num_rows} rows of evaluation file "
+                  f"{path} are also training candidates: its scores are not held out", flush=True)

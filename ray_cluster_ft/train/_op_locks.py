@@ -49,15 +49,15 @@ def clear_stale_build_locks(root: str | os.PathLike | None = None, min_age_s: fl
     root = root if root is not None else os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root or not Path(root).is_dir() or not os.path.isdir("/proc"):
         return []
-    locks = [p for p in Path(root).glob("*/lock") if time.time() - p.stat().st_mtime > min_age_s]
+    ages = {p: time.time() - p.stat().st_mtime for p in Path(root).glob("*/lock")}
+    locks = {p: age for p, age in ages.items() if age > min_age_s}
     if not locks:
         return []
     busy = _working_dirs()
     removed = []
-    for lock in locks:
+    for lock, age in locks.items():
         if os.path.realpath(lock.parent) in busy:
             continue
-        age = time.time() - lock.stat().st_mtime
         try:
             lock.unlink()
         except FileNotFoundError:  # another worker of this node removed it first

@@ -4,7 +4,6 @@ real allocator, an independent reference of the token-exact step loss, and the R
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -71,12 +70,6 @@ def reference_step_loss(logits_of, plan: pd.DataFrame, examples: pa.Table, weigh
         num = num + w * ce
         den += w * int((y[1:] != -100).sum())
     return num / den
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def readme_example(name: str, run_dir: Path, model_path: str | Path) -> str:

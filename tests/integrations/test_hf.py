@@ -15,9 +15,9 @@ import torch
 
 from ray_cluster_ft.integrations.torch import ExamplesDataset
 from ray_cluster_ft.train import verify_trained
+from tests.conftest import free_port
 
 from ._helpers import (
-    free_port,
     make_run,
     planned_rows,
     readme_example,

@@ -24,9 +24,9 @@ from ray_cluster_ft.integrations.torch import (
     plan_shape,
 )
 from ray_cluster_ft.train import build_rank_tables
+from tests.conftest import free_port
 
 from ._helpers import (
-    free_port,
     make_run,
     planned_rows,
     readme_example,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from ray_cluster_ft.config import ConfigError, TrainConfig, parse_config
 from ray_cluster_ft.train import deepspeed_config
 from ray_cluster_ft.train.deepspeed import precision_for, resolve_precision
+from tests.conftest import free_port
 
 _SCRIPT = r"""
 import json, sys
@@ -40,16 +40,10 @@ print(json.dumps({"optimizer": type(inner).__name__, "dtype": str(next(module.pa
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _build(model_dir, **train) -> dict:
     from ray_cluster_ft.model import cache_dir
 
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(cache_dir() / "torch_extensions")}  # the trainer's cache: built once
     done = subprocess.run([sys.executable, "-c", _SCRIPT, str(model_dir), json.dumps({"num_workers": 1, **train})],
@@ -132,7 +126,7 @@ def test_zero3_builds_the_model_partitioned_and_saves_it_through_the_16bit_gathe
     """ZeRO-3 on CPU (gloo, world 1): from_pretrained already returns partitioned parameters (transformers'
     HfDeepSpeedConfig + deepspeed.zero.Init), and the merged LoRA model saved from DeepSpeed's module-by-module
     16-bit consolidation equals peft's merge_and_unload of the gathered model after a training step."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
     train = {"num_workers": 1, "zero_stage": 3, "lr": 1e-2, "lora": {"enabled": True, "r": 4, "alpha": 8, "merge": True}}
     done = subprocess.run([sys.executable, "-c", _ZERO3_SCRIPT, str(tiny_model_dir), json.dumps(train),

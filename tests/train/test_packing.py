@@ -262,13 +262,12 @@ def _one_process_step(tmp_path, model_dir, ex, plan, packed: bool, attn: str) ->
     import pyarrow.parquet as pq
 
     from ray_cluster_ft.model import cache_dir
-
-    from .test_engine import _free_port
+    from tests.conftest import free_port
 
     pq.write_table(ex, tmp_path / "ex.parquet")
     plan.to_parquet(tmp_path / "plan.parquet")
     (tmp_path / "ds.json").write_text(json.dumps({"optimizer": {"params": {"eps": 10.0}}}))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(cache_dir() / "torch_extensions")}
     done = subprocess.run([sys.executable, "-c", _STEP_SCRIPT, str(model_dir), str(tmp_path / "ex.parquet"),
