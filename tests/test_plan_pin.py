@@ -10,11 +10,21 @@ clusters, selection and plan matched the old pins) re-planned by the new code.
 
 A content hash (schema without metadata, then every column's values) rather than the file bytes: the bytes
 also carry the pyarrow version that wrote them.
+
+Issue 27 (the second restructure) widened the pins, taken at ``2da9d3c`` before any code moved: every column of
+``examples``, ``clusters``, ``centroids``, ``selection`` (``weight`` included) and ``plan``, by
+:func:`table_hash` (the schema without metadata, the ``ray_cluster_ft`` metadata key that carries the centroid
+map's settings, then every column's values as JSON: list columns too, whose numpy view would be pointers), and
+the ``select`` command's ``selected.jsonl`` (sha256 of its bytes: no path or time inside) and
+``selected.parquet`` (:func:`table_hash`). The parquet metadata left out (``pandas``: index bookkeeping) says
+nothing about the rows. The demo spec is pinned through ``select``: the command is ``run --plan-only`` (the same
+``run_pipeline(plan_only=True)`` call) followed by the export, so one real-model run pins both.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +43,45 @@ DEMO_PINNED = {"clusters": "b19770f52c992e1e", "selection": "4ac23133e3963fe2", 
 
 # The columns pinned: those the files had at c56fe9a (selection.parquet has since gained ``weight``).
 PINNED_COLUMNS = {"clusters": None, "selection": ["example_id", "cluster", "reason"], "plan": None}
+
+
+# table_hash() prefixes at 2da9d3c (issue 27): every column of every --plan-only artifact, and the select
+# command's exports (selected.jsonl: sha256 of the bytes).
+FILES_FULL_PINNED = {"examples": "92414284528d065b", "clusters": "83068c598ef99eb7", "centroids": "df8522bc69071886",
+                     "selection": "e011e767b0358acf", "plan": "4f46b3000dd82345"}
+FILES_SELECTED_PINNED = {"selected.jsonl": "1c5f5a32b2c261f0", "selected.parquet": "34e902eb9bfe951b"}
+DEMO_FULL_PINNED = {"examples": "504fa7779358404f", "clusters": "2f21624194ff87e3", "centroids": "852e6c7002754855",
+                    "selection": "928f61e32bb2b419", "plan": "b09cde40baa7b5d4", "selected.jsonl": "cfe994dab7d0bc30",
+                    "selected.parquet": "4ccd750d673253f8"}
+# The c56fe9a clusters pins as this project's current machines compute them (2-core AMD EPYC, AVX2 and no
+# AVX-512): the float32 distance column differs in its last bits from the machine the pins were taken on, while
+# the labels, the selection and the plan hash the same. Where the bits part (a BLAS or torch kernel chosen by
+# CPU) was not traced; either value passes. The full pins above were taken on these machines.
+CLUSTERS_HERE = {"files": "f889e8544fedd911", "demo": "8318b3d4eba36c04"}
+FULL_ARTIFACTS = ("examples", "clusters", "centroids", "selection", "plan")
+
+
+def table_hash(path: Path) -> str:
+    """sha256 of a Parquet table: its schema without metadata, the ``ray_cluster_ft`` metadata value (the map
+    settings a centroids file carries) and every column's values, in order, as JSON (floats exact: ``repr``)."""
+    t = pq.read_table(path)
+    h = hashlib.sha256(str(t.schema.remove_metadata()).encode())
+    h.update((t.schema.metadata or {}).get(b"ray_cluster_ft", b""))
+    for name in t.column_names:
+        h.update(name.encode())
+        h.update(json.dumps(t.column(name).to_pylist()).encode())
+    return h.hexdigest()
+
+
+def full_hashes(out: Path, names=FULL_ARTIFACTS) -> dict:
+    """16-hex prefixes of :func:`table_hash` for ``<name>.parquet``; for ``selected.jsonl`` the bytes' sha256."""
+    got = {}
+    for name in names:
+        if name.endswith(".jsonl"):
+            got[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()[:16]
+        else:
+            got[name] = table_hash(out / (name if name.endswith(".parquet") else f"{name}.parquet"))[:16]
+    return got
 
 
 def content_hash(path: Path, columns: list[str] | None = None) -> str:
@@ -58,11 +107,23 @@ def files_spec(model_dir: Path) -> dict:
             "train": {"num_workers": 2, "micro_batch_size": 4, "epochs": 2}}
 
 
-def _plan_only(spec: Path, out: Path) -> dict:
+def pinned_hashes(out: Path) -> dict:
+    """The c56fe9a-style pins (:data:`PINNED_COLUMNS`) of a run directory."""
+    return {name: content_hash(out / f"{name}.parquet", cols)[:16] for name, cols in PINNED_COLUMNS.items()}
+
+
+def matches_pins(got: dict, pinned: dict, spec: str) -> bool:
+    """``got`` equals ``pinned``, or ``pinned`` with the clusters hash of :data:`CLUSTERS_HERE`."""
+    return got in (pinned, {**pinned, "clusters": CLUSTERS_HERE[spec]})
+
+
+def _plan_only(spec: Path, out: Path, command: str = "run") -> dict:
     from ray_cluster_ft.cli import main
 
-    assert main(["run", str(spec), "--output", str(out), "--plan-only"]) == 0
-    return {name: content_hash(out / f"{name}.parquet", cols)[:16] for name, cols in PINNED_COLUMNS.items()}
+    argv = ["run", str(spec), "--output", str(out), "--plan-only"] if command == "run" else \
+        ["select", str(spec), "--output", str(out)]
+    assert main(argv) == 0
+    return pinned_hashes(out)
 
 
 def test_plan_only_artifacts_of_a_files_spec_are_pinned(tmp_path):
@@ -72,10 +133,13 @@ def test_plan_only_artifacts_of_a_files_spec_are_pinned(tmp_path):
     model = make_tiny_model(tmp_path / "tiny")
     spec = tmp_path / "files.yaml"
     spec.write_text(yaml.safe_dump(files_spec(model)))
-    assert _plan_only(spec, tmp_path / "run") == FILES_PINNED
+    assert matches_pins(_plan_only(spec, tmp_path / "run"), FILES_PINNED, "files")
+    assert full_hashes(tmp_path / "run") == FILES_FULL_PINNED
 
 
 @pytest.mark.slow
 def test_plan_only_artifacts_of_the_demo_spec_are_pinned(tmp_path):
     demo = Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml"
-    assert _plan_only(demo, tmp_path / "run") == DEMO_PINNED
+    out = tmp_path / "run"
+    assert matches_pins(_plan_only(demo, out, command="select"), DEMO_PINNED, "demo")
+    assert full_hashes(out, FULL_ARTIFACTS + ("selected.jsonl", "selected.parquet")) == DEMO_FULL_PINNED

@@ -16,11 +16,15 @@ from ray_cluster_ft.data import canonicalize, example_id
 from ray_cluster_ft.rundir import read_ledger
 
 from .test_plan_pin import (
+    FILES_FULL_PINNED,
     FILES_PINNED,
+    FILES_SELECTED_PINNED,
     FIXTURE,
     PINNED_COLUMNS,
     content_hash,
     files_spec,
+    full_hashes,
+    matches_pins,
 )
 
 ADDED = ["example_id", "cluster", "weight", "rank", "step"]
@@ -44,7 +48,9 @@ def selected(tmp_path_factory, tiny_model_dir):
 def test_select_writes_what_plan_only_writes(selected):
     out, _, _ = selected
     got = {name: content_hash(out / f"{name}.parquet", cols)[:16] for name, cols in PINNED_COLUMNS.items()}
-    assert got == FILES_PINNED
+    assert matches_pins(got, FILES_PINNED, "files")
+    assert full_hashes(out) == FILES_FULL_PINNED
+    assert full_hashes(out, FILES_SELECTED_PINNED) == FILES_SELECTED_PINNED
     assert json.loads((out / "manifest.json").read_text())["counts"]["trained"] == 0
     assert not (out / "trained.parquet").exists()
 
