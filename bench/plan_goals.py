@@ -8,7 +8,7 @@ truncate`` hands the allocator).
 Clusters: a real clustering of real sketches (model gradients) is too slow for a benchmark, so two proxies,
 each said in the output:
 
-- ``tfidf``: the pipeline's clustering (:func:`ray_cluster_ft.clustering.cluster_sketches`, spherical k-means,
+- ``tfidf``: the pipeline's clustering (:func:`ray_cluster_ft.cluster.cluster_sketches`, spherical k-means,
   seed 0, soft cap ``max_cluster_ratio: 1.5`` counting tokens, as ``clustering.cap_by: auto`` does with
   ``allocation.packing``) on a cheap text feature instead of the sketches: TF-IDF of word 1-2-grams hashed to
   2^16 columns, reduced to 64 dimensions by a seeded truncated SVD. Clusters then follow topic (and so, partly,
@@ -85,7 +85,7 @@ def tfidf_labels(texts: list, k: int, cap: str | None = "tokens", n_tokens=None)
     z = normalize(TruncatedSVD(64, random_state=0).fit_transform(x)).astype(np.float32)
     if cap is None:
         return KMeans(k, n_init=3, random_state=0).fit_predict(z).astype(np.int64)
-    from ray_cluster_ft.clustering import cluster_sketches
+    from ray_cluster_ft.cluster import cluster_sketches
 
     weights = n_tokens if cap == "tokens" else None
     return np.asarray(cluster_sketches(z, k=k, seed=0, max_cluster_ratio=1.5, weights=weights).labels, dtype=np.int64)

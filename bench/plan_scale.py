@@ -61,7 +61,7 @@ def synthetic(n: int, dim: int = DIM, n_blobs: int = 100, noise: float = 0.6, se
 def run_one(n: int, seed: int = 0) -> dict:
     """All stages at size n in this process; returns seconds per stage and peak RSS (MiB)."""
     from ray_cluster_ft.allocate import make_plan, plan_metrics
-    from ray_cluster_ft.clustering import cluster_sketches
+    from ray_cluster_ft.cluster import cluster_sketches
     from ray_cluster_ft.select import select
 
     import sklearn.cluster  # noqa: F401  (a one-off import of several seconds: kept out of the stage timings)

@@ -8,7 +8,7 @@ The stages, one module or package each, every one a ``run(cfg, run_dir, ...)`` t
 
 * :mod:`ray_cluster_ft.data`: sources -> tokenized examples + rejected rows; the one :func:`collate`;
 * :mod:`ray_cluster_ft.features`: gradient sketches (or embeddings) by Ray Data actors, resumable shards;
-* :mod:`ray_cluster_ft.clustering`: spherical k-means (or the published KMeans with a soft cap);
+* :mod:`ray_cluster_ft.cluster`: spherical k-means (or the published KMeans with a soft cap);
   :mod:`ray_cluster_ft.select`: water-filled quotas and k-center picks (or the published equal cuts); :mod:`ray_cluster_ft.allocate`: the rank x step plan (pure algorithms, no Ray);
 * :mod:`ray_cluster_ft.train`: Ray Train + DeepSpeed workers that train exactly their planned rows;
 * :mod:`ray_cluster_ft.evaluate`: held-out loss, multiple-choice accuracy, pass@1;
@@ -24,7 +24,7 @@ The stage packages keep their names (``ray_cluster_ft.train`` is the package, it
 
 from .allocate import PlanResult, check_plan, make_plan, plan_metrics
 from .api import Features, Plan, compute_features, select_and_plan
-from .clustering import ClusterResult, cluster_sketches
+from .cluster import ClusterResult, cluster_sketches
 from .config import (
     AllocationConfig,
     ClusteringConfig,

@@ -1,7 +1,7 @@
 """The library API: features of your own rows, then clusters, selection and plan, with no run directory.
 
 :func:`compute_features` and :func:`select_and_plan` call the very functions the stages call (the feature
-stage's sketchers and post-processing, :func:`~ray_cluster_ft.clustering.cluster_with_config`,
+stage's sketchers and post-processing, :func:`~ray_cluster_ft.cluster.cluster_with_config`,
 :func:`~ray_cluster_ft.select.select_with_config`, :func:`~ray_cluster_ft.allocate.make_plan`), so for the same
 features they give what ``ray-cluster-ft run --plan-only`` writes. :func:`write_selected` is the ``select``
 command's export of the selected rows as they were read.
@@ -295,7 +295,7 @@ def select_and_plan(features, n_tokens, cfg: JobConfig, *, example_ids=None) -> 
         raise TypeError(f"select_and_plan: cfg must be a JobConfig, got {type(cfg).__name__}")
     x, tok, ids = _plan_inputs(features, n_tokens, example_ids)
     check_against_data(cfg, len(ids))
-    from .clustering import cluster_with_config
+    from .cluster import cluster_with_config
     from .select import select_with_config
 
     clusters = labels = dist = None

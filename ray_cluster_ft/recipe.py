@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import allocate, clustering, data, evaluate, features, select, train
+from . import allocate, cluster, data, evaluate, features, select, train
 from ._ray import check_local_resources, init_ray
 from .config import JobConfig, check_against_data, needs_clusters
 from .features.feature_store import check_store
@@ -84,10 +84,10 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
             manifest["sketch"] = feats.summary
             sketches = feats.sketches
             with timer.stage("cluster"):
-                cres, manifest["clustering"] = clustering.run(cfg, run_dir, example_ids=ids, sketches=sketches,
-                                                              resume=resume, features=feats.summary,
-                                                              n_tokens=n_tokens)
-            labels, dist = cres.labels, cres.dist
+                clustered_out = cluster.run(cfg, run_dir, example_ids=ids, sketches=sketches, resume=resume,
+                                            features=feats.summary, n_tokens=n_tokens)
+            manifest["clustering"] = clustered_out.summary
+            labels, dist = clustered_out.labels, clustered_out.dist
         with timer.stage("select"):
             sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist,
                              n_tokens=n_tokens)

@@ -568,7 +568,7 @@ def test_model_folders_without_usable_weights_or_tokenizer_are_refused(tmp_path,
 
 
 def test_clustering_warning_when_fewer_clusters_than_ranks():
-    from ray_cluster_ft.clustering import clustering_warning as _clustering_warning
+    from ray_cluster_ft.cluster.stage import clustering_warning as _clustering_warning
 
     assert _clustering_warning(4, 0, 4, 2) is None
     msg = _clustering_warning(1, 35, 2, 2)

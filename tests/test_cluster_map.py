@@ -8,14 +8,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from ray_cluster_ft import clustering
-from ray_cluster_ft.cluster_map import (
-    ClusterMap,
-    drift,
-    load_cluster_map,
-    nearest_distances,
-)
-from ray_cluster_ft.clustering import refit_kmeans
+from ray_cluster_ft import cluster as clustering
+from ray_cluster_ft.cluster import ClusterMap, load_cluster_map
+from ray_cluster_ft.cluster.cluster_map import drift, nearest_distances
+from ray_cluster_ft.cluster.kmeans import refit_kmeans
 from ray_cluster_ft.config import ConfigError, parse_config
 from ray_cluster_ft.features.feature_store import feature_settings
 from ray_cluster_ft.rundir import prepare_run_dir
@@ -33,8 +29,9 @@ def _run(tmp_path, name, x, ids, clustering_cfg, features=None, sketch=None):
     cfg = parse_config({"clustering": clustering_cfg, "sketch": sketch or {}, "train": {"num_workers": 2}})
     run_dir = tmp_path / name
     prepare_run_dir(run_dir, resume=False)
-    res, summary = clustering.run(cfg, run_dir, example_ids=ids, sketches=x,
-                                  features=features if features is not None else _features(cfg))
+    out = clustering.run(cfg, run_dir, example_ids=ids, sketches=x,
+                         features=features if features is not None else _features(cfg))
+    res, summary = out.result, out.summary
     return cfg, run_dir, res, summary
 
 
@@ -94,7 +91,7 @@ def test_rows_from_elsewhere_drift_and_the_report_suggests_reclustering(tmp_path
 
 
 def test_known_rows_keep_their_cluster_new_rows_take_the_nearest():
-    from ray_cluster_ft.clustering import cluster_from_map
+    from ray_cluster_ft.cluster import cluster_from_map
 
     cent = np.asarray([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
     cmap = ClusterMap(cent, np.asarray([2, 2]), "spherical", 0.05, {})
@@ -186,7 +183,7 @@ def test_refit_without_a_map_is_refused():
 
 
 def test_select_and_plan_api_reads_the_map_too(old_run):
-    from ray_cluster_ft.clustering import cluster_with_config
+    from ray_cluster_ft.cluster import cluster_with_config
 
     x, ids, run_dir, res, _ = old_run
     cfg = parse_config({"clustering": {"from_run": str(run_dir)}, "train": {"num_workers": 2}})

@@ -1,4 +1,4 @@
-"""Spherical k-means, the auto-k rule and small-cluster merging (ray_cluster_ft.clustering)."""
+"""Spherical k-means, the auto-k rule and small-cluster merging (ray_cluster_ft.cluster)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 from sklearn.metrics import adjusted_rand_score
 
-from ray_cluster_ft import capped_kmeans, clustering
-from ray_cluster_ft.clustering import auto_k, cluster_sketches, merge_small_clusters, spherical_kmeans
+from ray_cluster_ft import cluster as clustering
+from ray_cluster_ft.cluster import _vectors, kmeans
+from ray_cluster_ft.cluster import auto_k, cluster_sketches, merge_small_clusters, spherical_kmeans
+
+
+def _stage_run(*args, **kwargs):
+    """The cluster stage's result and summary."""
+    out = clustering.run(*args, **kwargs)
+    return out.result, out.summary
 
 
 def planted_blobs(n_centres=8, per=100, d=32, noise=0.15, seed=0):
@@ -49,7 +56,7 @@ def test_planted_clusters_recovered():
 
 
 def test_minibatch_path_recovers_clusters(monkeypatch):
-    monkeypatch.setattr(clustering, "MINIBATCH_THRESHOLD", 100)
+    monkeypatch.setattr(kmeans, "MINIBATCH_THRESHOLD", 100)
     x, truth = planted_blobs(per=150, seed=3)
     labels, dist, centroids = spherical_kmeans(x, 8, seed=1)
     assert adjusted_rand_score(truth, labels) >= 0.9
@@ -144,7 +151,7 @@ def _published_soft_cap(x, centroids, ratio, metric="sqeuclidean", topk=8, weigh
     n, k = x.shape[0], centroids.shape[0]
     w = np.ones(n, dtype=int) if weights is None else np.asarray(weights)
     cap = -(-Fraction(repr(ratio)) * int(w.sum()) // k)  # ceil(ratio * load / k) on the decimal ratio
-    dmat = capped_kmeans._centre_distances(np.asarray(x, np.float32), np.asarray(centroids, np.float32), metric)
+    dmat = _vectors._centre_distances(np.asarray(x, np.float32), np.asarray(centroids, np.float32), metric)
     t = min(topk, k)
     nn_idx = np.argsort(dmat, axis=1, kind="stable")[:, :t]
     nn_dist = np.take_along_axis(dmat, nn_idx, axis=1)
@@ -327,7 +334,7 @@ def test_run_resolves_world_size_and_reports_the_algorithm(tmp_path):
     x, _ = planted_blobs(n_centres=3, per=20, d=8, seed=1)
     ids = np.asarray([f"id{i}" for i in range(x.shape[0])])
     cfg, run_dir = _stage(tmp_path, {"clustering": {"k": "world_size"}, "train": {"num_workers": 3}})
-    res, summary = clustering.run(cfg, run_dir, example_ids=ids, sketches=x)
+    res, summary = _stage_run(cfg, run_dir, example_ids=ids, sketches=x)
     assert res.k == summary["k"] == 3 and summary["algorithm"] == "spherical"
     assert "capped" not in summary and "cap" not in summary
     table = pq.read_table(run_dir / "clusters.parquet")
@@ -341,7 +348,7 @@ def test_run_reports_the_cap(tmp_path):
     cfg, run_dir = _stage(tmp_path, {"clustering": {"k": "world_size", "algorithm": "kmeans",
                                                     "max_cluster_ratio": 1.1},
                                      "train": {"num_workers": 2}})
-    res, summary = clustering.run(cfg, run_dir, example_ids=ids, sketches=x)
+    res, summary = _stage_run(cfg, run_dir, example_ids=ids, sketches=x)
     assert summary["algorithm"] == "kmeans" and summary["capped"] is True and summary["cap"] == 55
     assert max(summary["sizes"]) <= 55 and sum(summary["sizes"]) == 100
 
@@ -357,7 +364,7 @@ def test_run_caps_tokens_when_packing(tmp_path):
     base = {"clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.1},
             "train": {"num_workers": 2, "max_tokens_per_micro_batch": 512}, "allocation": {"packing": True}}
     cfg, run_dir = _stage(tmp_path, base)
-    res, summary = clustering.run(cfg, run_dir, example_ids=ids, sketches=x, n_tokens=tokens)
+    res, summary = _stage_run(cfg, run_dir, example_ids=ids, sketches=x, n_tokens=tokens)
     plain = clustering.euclidean_kmeans(x, 2, seed=0)[0]
     load = np.bincount(plain, weights=tokens)
     assert load.max() <= 1.1 * tokens.sum() / 2  # 900 and 900 tokens: no cap fires, though the rows are 90/10
@@ -368,7 +375,7 @@ def test_run_caps_tokens_when_packing(tmp_path):
     tokens2 = np.concatenate([tokens, [90] * 5])
     ids2 = np.asarray([f"id{i}" for i in range(105)])
     cfg2, run2 = _stage(tmp_path / "b", base)
-    res2, summary2 = clustering.run(cfg2, run2, example_ids=ids2, sketches=x2, n_tokens=tokens2)
+    res2, summary2 = _stage_run(cfg2, run2, example_ids=ids2, sketches=x2, n_tokens=tokens2)
     assert summary2["capped"] is True and summary2["cap_by"] == "tokens" and summary2["cap"] == 1238
     load2 = np.bincount(res2.labels, weights=tokens2)
     assert (load2 - 90 < 1238).all() and load2.max() < 1350
@@ -377,7 +384,7 @@ def test_run_caps_tokens_when_packing(tmp_path):
     np.testing.assert_array_equal(res2.labels, want)
     # cap_by: rows keeps the published cap: 58 rows at most (ceil(1.1 * 105 / 2)).
     cfg3, run3 = _stage(tmp_path / "c", {**base, "clustering": {**base["clustering"], "cap_by": "rows"}})
-    _, summary3 = clustering.run(cfg3, run3, example_ids=ids2, sketches=x2, n_tokens=tokens2)
+    _, summary3 = _stage_run(cfg3, run3, example_ids=ids2, sketches=x2, n_tokens=tokens2)
     assert summary3["cap_by"] == "rows" and summary3["cap"] == 58 and max(summary3["sizes"]) <= 58
     # Tokens are needed to count them.
     cfg4, run4 = _stage(tmp_path / "d", base)
@@ -399,7 +406,7 @@ def test_too_few_clusters_after_merging_is_refused_unless_shared_clusters_are_al
                                           r"allocation.allow_shared_clusters: true"):
         clustering.run(parse_config(spec), tmp_path / "a", example_ids=ids, sketches=x)
     prepare_run_dir(tmp_path / "b", resume=False)
-    res, summary = clustering.run(parse_config({**spec, "allocation": {"allow_shared_clusters": True}}),
+    res, summary = _stage_run(parse_config({**spec, "allocation": {"allow_shared_clusters": True}}),
                                   tmp_path / "b", example_ids=ids, sketches=x)
     assert res.k == 1 and summary["warning"].startswith("1 cluster after merging")
     prepare_run_dir(tmp_path / "c", resume=False)

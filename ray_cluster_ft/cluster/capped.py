@@ -2,7 +2,7 @@
 
 From the paper's official code (kaist-dmlab/CluSTER, ``src/CluSTER/call_back.py``:
 ``_kmeans_prune_equalize_interleave`` and ``kmeans_soft_cap_fit_predict``), written anew and vectorised; used by
-:mod:`ray_cluster_ft.clustering` for ``clustering.algorithm: kmeans`` and ``clustering.max_cluster_ratio``.
+:mod:`ray_cluster_ft.cluster.kmeans` for ``clustering.algorithm: kmeans`` and ``clustering.max_cluster_ratio``.
 Pure, deterministic functions of their inputs and seed.
 """
 
@@ -15,44 +15,13 @@ from typing import Literal, Optional
 
 import numpy as np
 
+from ._vectors import _CHUNK_ROWS, _as_matrix, _centre_distances, _check_k, _sq_distance
+
 __all__ = [
+    "capped_labels",
     "euclidean_kmeans",
     "soft_cap_labels",
 ]
-
-
-def _as_matrix(x, name: str = "x") -> np.ndarray:
-    """float32 C-contiguous (N, d) copy-if-needed of ``x``, validated."""
-    arr = np.asarray(x)
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D array (N, d), got shape {arr.shape}")
-    if arr.shape[0] == 0 or arr.shape[1] == 0:
-        raise ValueError(f"{name} is empty: shape {arr.shape}")
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"{name} must be numeric, got dtype {arr.dtype}")
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
-    finite = np.empty(arr.shape[0], dtype=bool)
-    for lo in range(0, arr.shape[0], _CHUNK_ROWS):  # chunked: a whole-matrix mask is 256 MiB at 10^6 x 256
-        finite[lo : lo + _CHUNK_ROWS] = np.isfinite(arr[lo : lo + _CHUNK_ROWS]).all(axis=1)
-    if not finite.all():
-        bad = np.flatnonzero(~finite)
-        raise ValueError(f"{name} has NaN or inf in {bad.size} rows (first: row {int(bad[0])})")
-    return arr
-
-
-def _check_k(k, n: int) -> int:
-    """``k`` as an int in 1..n, else ValueError."""
-    if isinstance(k, bool) or int(k) != k:
-        raise ValueError(f"k must be an integer, got {k!r}")
-    k = int(k)
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if k > n:
-        raise ValueError(f"k={k} clusters is more than the {n} rows to cluster")
-    return k
-
-
-_CHUNK_ROWS = 65_536  # rows per block when scoring against centroids: bounds the (rows x k) temporary
 
 
 _CAP_TOPK = 8
@@ -92,29 +61,6 @@ def euclidean_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
     labels = km.labels_.astype(np.int32)
     centroids = np.asarray(km.cluster_centers_, dtype=np.float32)
     return labels, _sq_distance(arr, labels, centroids), centroids
-
-
-def _sq_distance(x: np.ndarray, labels: np.ndarray, centroids: np.ndarray) -> np.ndarray:
-    """``|x_i - centroid[labels[i]]|^2``, float32 (N,), as the published ``_pairwise_sqdist_to_centers`` (float32
-    difference, then its squared norm); in chunks, so the (rows x d) difference stays bounded."""
-    out = np.empty(x.shape[0], dtype=np.float32)
-    for lo in range(0, x.shape[0], _CHUNK_ROWS):
-        diff = x[lo : lo + _CHUNK_ROWS] - centroids[labels[lo : lo + _CHUNK_ROWS]]
-        out[lo : lo + _CHUNK_ROWS] = np.einsum("nd,nd->n", diff, diff)
-    return out
-
-
-def _centre_distances(x: np.ndarray, centroids: np.ndarray, metric: str) -> np.ndarray:
-    """Distances of rows to every centroid, float32 (M, K).
-
-    ``sqeuclidean``: ``|x|^2 + |c|^2 - 2 x.c``, the published ``_sqdist_matrix_chunk`` (same float32 rounding);
-    ``cosine``: ``1 - x.c`` for unit rows and unit centroids."""
-    dots = x @ centroids.T
-    if metric == "cosine":
-        return 1.0 - dots
-    x2 = np.sum(x * x, axis=1, keepdims=True)
-    c2 = np.sum(centroids * centroids, axis=1, keepdims=True).T
-    return x2 + c2 - 2.0 * dots
 
 
 def _candidates(x: np.ndarray, centroids: np.ndarray, metric: str, t: int) -> tuple[np.ndarray, np.ndarray]:
@@ -244,10 +190,19 @@ def soft_cap_labels(x, centroids, ratio: float, metric: Literal["sqeuclidean", "
     return labels.astype(np.int32), cap
 
 
-def _capped(x, labels, centroids, ratio, metric, weights=None) -> tuple[np.ndarray, Optional[int]]:
+def capped_labels(x, labels, centroids, ratio, metric, weights=None) -> tuple[np.ndarray, Optional[int]]:
     """:func:`soft_cap_labels` when the largest cluster is above ``ratio * N / K`` (the published trigger in
     ``_kmeans_prune_equalize_interleave``; with ``weights``, its load above ``ratio * sum(weights) / K``), else
-    the labels unchanged and no cap."""
+    the labels unchanged and no cap.
+
+    Args:
+        x, centroids, metric, weights: as :func:`soft_cap_labels`.
+        labels: int (N,) the clusters before the cap, 0..K-1.
+        ratio: the cap factor (> 1), or None for no cap.
+
+    Returns:
+        ``(labels int32 (N,), cap)``: ``cap`` None when the cap did not fire (labels returned as given).
+    """
     k = centroids.shape[0]
     if ratio is None:
         return labels, None
@@ -274,29 +229,3 @@ def _exact(ratio: float) -> Fraction:
     """The ratio as the decimal the user wrote: ceil(1.1 * 100 / 2) is 55, not 56 as in floating point (the
     published code's ``np.ceil((1.0 + eps) * (N / K))``; the two agree for its eps = 0.5)."""
     return Fraction(repr(float(ratio)))
-
-
-def _row_norms(x: np.ndarray) -> np.ndarray:
-    """L2 norm of each row, (N,), in chunks of ``_CHUNK_ROWS`` rows (the unchunked ``np.linalg.norm`` builds a
-    1 GiB square temporary at 10^6 x 256 and cost about 2 s per call on a shared core)."""
-    out = np.empty(x.shape[0], dtype=np.float64 if x.dtype == np.float64 else np.float32)
-    for lo in range(0, x.shape[0], _CHUNK_ROWS):
-        out[lo : lo + _CHUNK_ROWS] = np.linalg.norm(x[lo : lo + _CHUNK_ROWS], axis=1)
-    return out
-
-
-def _normalise_rows(x: np.ndarray, name: str = "x") -> np.ndarray:
-    """Rows divided by their L2 norm (float32). A zero row has no direction, so it is an error.
-
-    Rows already of unit norm come back as the same array (no copy: at 10^6 x 256 a copy is 1 GiB)."""
-    norms = _row_norms(x)
-    if x.dtype == np.float32 and np.all(np.abs(norms - 1.0) <= 1e-6):
-        return x
-    zero = norms <= np.finfo(np.float32).tiny
-    if zero.any():
-        bad = np.flatnonzero(zero)
-        raise ValueError(
-            f"{name} has {bad.size} all-zero rows (first: row {int(bad[0])}); a zero sketch has no direction "
-            f"to cluster by (was the example's loss masked out entirely?)"
-        )
-    return (x / norms[:, None]).astype(np.float32, copy=False)

@@ -11,7 +11,8 @@ kaist-dmlab/CluSTER ``src/CluSTER/call_back.py``, ``_kmeans_prune_equalize_inter
 ``KMeans(n_clusters=k, n_init=10, random_state=seed)`` on the vectors as given, distance = squared Euclidean
 distance to the centroid, and no small-cluster merging (the published method keeps its k clusters).
 ``clustering.max_cluster_ratio`` is its soft cap (same file, ``kmeans_soft_cap_fit_predict``), see
-:func:`ray_cluster_ft.capped_kmeans.soft_cap_labels`.
+:func:`ray_cluster_ft.cluster.capped.soft_cap_labels`. A reused map (``clustering.from_run``) is
+:mod:`ray_cluster_ft.cluster.cluster_map`; the stage's files are :mod:`ray_cluster_ft.cluster.stage`.
 
 Everything here is a pure, deterministic function of its inputs and seed (no global state).
 """
@@ -21,37 +22,30 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Optional, Union
 
 import numpy as np
-import scipy.sparse as sp
 
-from .capped_kmeans import (
+from ._vectors import (
     _CHUNK_ROWS,
-    _normalise_rows,
     _as_matrix,
-    _capped,
+    _centroids_of,
     _check_k,
+    _normalise_rows,
+    _own_distance,
     _sq_distance,
-    euclidean_kmeans,
-    soft_cap_labels,
+    nearest_distances,
 )
+from .capped import capped_labels, euclidean_kmeans
 
 __all__ = [
-    "clustering_warning",
-    "drift_warning",
-    "run",
     "MINIBATCH_THRESHOLD",
     "ClusterResult",
     "auto_k",
-    "spherical_kmeans",
-    "euclidean_kmeans",
-    "soft_cap_labels",
-    "merge_small_clusters",
     "cluster_sketches",
-    "cluster_from_map",
-    "cluster_with_config",
+    "merge_small_clusters",
+    "refit_kmeans",
+    "spherical_kmeans",
 ]
 
 
@@ -90,10 +84,12 @@ class ClusterResult:
         n_merged_clusters: clusters smaller than ``min_cluster_size`` (or empty) that were dissolved into
             their nearest surviving centroids (``kmeans``: empty clusters dropped).
         algorithm: ``spherical`` or ``kmeans``.
-        cap: the soft cap on cluster sizes when ``max_cluster_ratio`` fired (:func:`soft_cap_labels`), else None:
+        cap: the soft cap on cluster sizes when ``max_cluster_ratio`` fired
+            (:func:`~ray_cluster_ft.cluster.capped.soft_cap_labels`), else None:
             rows, or tokens when the cap weighed rows by their tokens (``clustering.cap_by``).
-        from_run: with ``clustering.from_run`` (:func:`cluster_from_map`): ``{"run_dir", "refit", "map_k",
-            "map_clusters" (the map cluster each cluster is), "drift"}`` (:func:`ray_cluster_ft.cluster_map.drift`),
+        from_run: with ``clustering.from_run``
+            (:func:`~ray_cluster_ft.cluster.cluster_map.cluster_from_map`): ``{"run_dir", "refit", "map_k",
+            "map_clusters" (the map cluster each cluster is), "drift"}`` (:func:`ray_cluster_ft.cluster.cluster_map.drift`),
             else None.
     """
 
@@ -132,39 +128,6 @@ def auto_k(n: int, world_size: int) -> int:
         raise ValueError(f"auto_k: world_size must be a positive integer, got {world_size!r}")
     k = min(_AUTO_K_MAX, int(round(math.sqrt(n / 10.0))))
     return int(min(int(n), max(2 * int(world_size), k)))
-
-
-def _centroids_of(xn: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Unit-norm mean direction of each cluster and the cluster sizes.
-
-    Returns (centroids float32 (k, d), sizes int64 (k,)); an empty cluster gets a zero row.
-    """
-    n = xn.shape[0]
-    onehot = sp.csr_matrix((np.ones(n, dtype=np.float32), (labels, np.arange(n))), shape=(k, n))
-    sums = np.asarray(onehot @ xn, dtype=np.float32)
-    sizes = np.bincount(labels, minlength=k).astype(np.int64)
-    norms = np.linalg.norm(sums, axis=1)
-    # A cluster of antipodal points has a zero mean: fall back to its first member's direction.
-    degenerate = (sizes > 0) & (norms <= 1e-12)
-    if degenerate.any():
-        first = np.full(k, -1, dtype=np.int64)
-        order = np.argsort(labels, kind="stable")
-        starts = np.searchsorted(labels[order], np.arange(k))
-        first[degenerate] = order[starts[degenerate]]
-        sums[degenerate] = xn[first[degenerate]]
-        norms[degenerate] = 1.0
-    safe = np.where(norms > 0, norms, 1.0)
-    return (sums / safe[:, None]).astype(np.float32), sizes
-
-
-def _own_distance(xn: np.ndarray, labels: np.ndarray, centroids: np.ndarray) -> np.ndarray:
-    """``1 - cos(x_i, centroid[labels[i]])`` for unit rows, float32 (N,), clipped to [0, 2]."""
-    out = np.empty(xn.shape[0], dtype=np.float32)
-    for lo in range(0, xn.shape[0], _CHUNK_ROWS):
-        hi = min(lo + _CHUNK_ROWS, xn.shape[0])
-        cos = np.einsum("ij,ij->i", xn[lo:hi], centroids[labels[lo:hi]])
-        out[lo:hi] = 1.0 - cos
-    return np.clip(out, 0.0, 2.0)
 
 
 def spherical_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -333,7 +296,7 @@ def cluster_sketches(
     (:func:`merge_small_clusters`), centroids recomputed after a merge. ``kmeans``: :func:`euclidean_kmeans`,
     the published clustering; no merging (the published method keeps its k clusters; only empty clusters,
     possible when x has fewer than k distinct rows, are dropped). With ``max_cluster_ratio`` and a largest
-    cluster above ``ratio * N / K``, points are reassigned by :func:`soft_cap_labels` (squared Euclidean for
+    cluster above ``ratio * N / K``, points are reassigned by :func:`~ray_cluster_ft.cluster.capped.soft_cap_labels` (squared Euclidean for
     ``kmeans``, cosine distance for ``spherical``), without refitting the centroids.
 
     Args:
@@ -344,7 +307,8 @@ def cluster_sketches(
         min_cluster_size: ``spherical``: clusters below this size are dissolved; unused by ``kmeans``.
         algorithm: ``spherical`` or ``kmeans``.
         max_cluster_ratio: the soft cap's factor (> 1), or None for no cap.
-        weights: int (N,) tokens per row: the cap then counts tokens (:func:`soft_cap_labels` ``weights``);
+        weights: int (N,) tokens per row: the cap then counts tokens (``weights`` of
+            :func:`~ray_cluster_ft.cluster.capped.soft_cap_labels`);
             None counts rows (the published cap).
 
     Returns:
@@ -361,7 +325,7 @@ def cluster_sketches(
     if algorithm == "kmeans":
         arr = _as_matrix(x)
         labels, dist, centroids = euclidean_kmeans(arr, _resolve_k(k, arr.shape[0], world_size), seed)
-        labels, cap = _capped(arr, labels, centroids, max_cluster_ratio, "sqeuclidean", weights)
+        labels, cap = capped_labels(arr, labels, centroids, max_cluster_ratio, "sqeuclidean", weights)
         if cap is not None:
             dist = _sq_distance(arr, labels, centroids)
         labels, centroids, n_empty = _drop_empty(labels, centroids)
@@ -373,83 +337,10 @@ def cluster_sketches(
     k_final = int(labels.max()) + 1
     if n_merged:
         centroids, _ = _centroids_of(xn, labels, k_final)
-    labels, cap = _capped(xn, labels, centroids, max_cluster_ratio, "cosine", weights)
+    labels, cap = capped_labels(xn, labels, centroids, max_cluster_ratio, "cosine", weights)
     dist = _own_distance(xn, labels, centroids)
     return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=k_final, n_merged_clusters=n_merged,
                          cap=cap)
-
-
-def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_cluster_size: int = 2,
-                     max_cluster_ratio: float | None = None, max_drift: float = 0.2, seed: int = 0,
-                     weights: np.ndarray | None = None) -> ClusterResult:
-    """Cluster with an earlier run's map (``clustering.from_run``) instead of from scratch.
-
-    A row the map's run clustered keeps its cluster there (``known``: k-means stops near, not at, the fixed point
-    where every row's cluster is its nearest centroid, so re-assigning would move a few old rows); every new row
-    goes to its nearest map centroid in the map's metric (:func:`ray_cluster_ft.cluster_map.assign_to_map`: cosine
-    for a ``spherical`` map, squared Euclidean for ``kmeans``), and the drift of the new rows is measured against
-    the map's 95th-percentile distance (:func:`ray_cluster_ft.cluster_map.drift`). With ``refit``, k-means
-    is then warm-started from the map's centroids (:func:`refit_kmeans`). Then as
-    :func:`cluster_sketches`: clusters left empty are dropped, for ``spherical`` those below
-    ``min_cluster_size`` are dissolved into their nearest surviving centroid (point-wise); the map's centroids are
-    kept as they are (with ``refit``, recomputed after a merge); the soft cap applies; distances are to the final
-    centroids.
-
-    Args:
-        x: ``(N, d)`` features.
-        cmap: :class:`ray_cluster_ft.cluster_map.ClusterMap`.
-        known: int ``(N,)`` each row's cluster in the map's run, -1 for a new row
-            (:func:`ray_cluster_ft.cluster_map.map_labels`).
-        refit: warm-start k-means from the map.
-        min_cluster_size, max_cluster_ratio, seed, weights: as :func:`cluster_sketches`.
-        max_drift: ``clustering.max_drift``.
-
-    Returns:
-        :class:`ClusterResult` with ``algorithm`` the map's and ``from_run`` filled.
-
-    Raises:
-        ValueError: as :func:`cluster_sketches`' input checks; a feature size other than the map's; with
-            ``refit``, more map centroids than rows.
-    """
-    from .cluster_map import assign_to_map, drift, nearest_distances
-
-    arr = _as_matrix(x)
-    if arr.shape[1] != cmap.centroids.shape[1]:
-        raise ValueError(f"features of dimension {arr.shape[1]}, the map's centroids {cmap.centroids.shape[1]}")
-    known = np.asarray(known, dtype=np.int64)
-    if known.shape != (arr.shape[0],) or known.max(initial=-1) >= cmap.centroids.shape[0]:
-        raise ValueError(f"known must have shape ({arr.shape[0]},) and values below {cmap.centroids.shape[0]}")
-    xs, labels, near = assign_to_map(arr, cmap)
-    old = known >= 0
-    labels[old] = known[old]
-    info = {"run_dir": cmap.run_dir, "refit": bool(refit), "map_k": int(cmap.centroids.shape[0]),
-            "drift": drift(near, cmap.p95_distance, ~old, max_drift)}
-    centroids = cmap.centroids
-    if refit:
-        labels, centroids = refit_kmeans(xs, centroids, cmap.algorithm, seed)
-    spherical = cmap.algorithm == "spherical"
-    metric = cmap.metric
-    sizes = np.bincount(labels, minlength=centroids.shape[0])
-    keep = sizes >= (int(min_cluster_size) if spherical else 1)
-    if not keep.any():
-        keep[int(np.argmax(sizes))] = True
-    kept = np.flatnonzero(keep)
-    new_id = np.full(centroids.shape[0], -1, dtype=np.int64)
-    new_id[kept] = np.arange(kept.size)
-    labels = new_id[labels]
-    moving = labels < 0
-    if moving.any():
-        labels[moving], _ = nearest_distances(xs[moving], centroids[kept], metric)
-    labels = labels.astype(np.int32)
-    centroids = np.ascontiguousarray(centroids[kept])
-    if refit and spherical and moving.any():
-        centroids, _ = _centroids_of(xs, labels, kept.size)
-    labels, cap = _capped(xs, labels, centroids, max_cluster_ratio, metric, weights)
-    dist = _own_distance(xs, labels, centroids) if spherical else _sq_distance(xs, labels, centroids)
-    info["map_clusters"] = kept.tolist()
-    return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=int(kept.size),
-                         n_merged_clusters=int(cmap.centroids.shape[0] - kept.size),
-                         algorithm=cmap.algorithm, cap=cap, from_run=info)
 
 
 def _resolve_k(k, n: int, world_size: int):
@@ -474,172 +365,14 @@ def _drop_empty(labels: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, 
     return new_id[labels].astype(np.int32), centroids[keep], int((~keep).sum())
 
 
-def clustering_warning(k: int, n_merged: int, world_size: int, min_cluster_size: int) -> str | None:
-    """The sentence the run prints (and the manifest and report keep) when clustering left fewer clusters
-    than ranks: then the W micro-batches of a step cannot all come from distinct clusters."""
-    if k >= world_size:
-        return None
-    merged = (f" after merging {n_merged} clusters smaller than clustering.min_cluster_size={min_cluster_size}"
-              if n_merged else "")
-    return (f"{k} cluster{'s' if k != 1 else ''}{merged}, fewer than the {world_size} ranks: the ranks of a step "
-            f"cannot all train different clusters (see plan_metrics.collisions_per_step); use more data, a "
-            f"smaller clustering.min_cluster_size or a larger clustering.k")
-
-
-def drift_warning(d: dict, refit: bool = False) -> str:
-    """The sentence the run prints (and the manifest and report keep) when the rows new to a reused cluster
-    map lie beyond its 95th-percentile distance more often than ``clustering.max_drift`` (``refit``: the run
-    already warm-started k-means from the map, so only clustering from scratch is left to suggest)."""
-    advice = "cluster again (drop clustering.from_run)" + ("" if refit else " or set clustering.refit: true")
-    return (f"{d['share_new_beyond_p95']:.1%} of the {d['new_rows']} rows new to the reused cluster map lie farther "
-            f"from every centroid than its 95th-percentile distance ({d['p95_distance']:.4g}), above "
-            f"clustering.max_drift={d['max_drift']:g}: {advice}")
-
-
-def _cap_unit(cfg) -> str:
-    by = cfg.clustering.cap_by
-    return by if by != "auto" else ("tokens" if cfg.allocation.packing else "rows")
-
-
-def cap_weights(cfg, n_tokens) -> np.ndarray | None:
-    """What ``clustering.max_cluster_ratio`` counts: ``n_tokens`` (int64 (N,)) when ``clustering.cap_by`` is
-    ``tokens``, or ``auto`` with ``allocation.packing`` (a packed step gives every rank the same tokens, so a
-    cluster above 1/W of the tokens must sit on two ranks at some step whatever its row count); None (rows,
-    the published cap) otherwise.
-
-    Raises:
-        ValueError: tokens are to be counted and ``n_tokens`` is None.
-    """
-    if _cap_unit(cfg) == "rows":
-        return None
-    if n_tokens is None:
-        raise ValueError("clustering.cap_by counts tokens: pass n_tokens")
-    return np.asarray(n_tokens)  # soft_cap_labels checks for positive integers (no silent float truncation)
-
-
-def cluster_with_config(cfg, example_ids, sketches, features: dict | None = None, n_tokens=None) -> tuple:
-    """The pure part of :func:`run` (also :func:`ray_cluster_ft.select_and_plan`'s): :func:`cluster_sketches`
-    with the job's ``clustering`` settings and world size, and the ``clusters.parquet`` table. With
-    ``clustering.from_run`` it reads that run's map and assignment (``centroids.parquet``, ``clusters.parquet``:
-    the only files it reads) and assigns to it (:func:`cluster_from_map`; ``k`` is then the map's).
-
-    Args:
-        cfg: the job config (``clustering`` section; ``train.num_workers``; ``sketch`` for ``from_run``).
-        example_ids: str ``(N,)`` candidate ids, in the order of ``sketches``.
-        sketches: float ``(N, d)``.
-        features: the feature stage's summary (``feature_key``, ``feature_key_of``, ``normalisation``): with
-            ``from_run`` the map's features must match it (:func:`ray_cluster_ft.cluster_map.check_features`);
-            ``None`` compares only the feature size and ``sketch`` settings.
-        n_tokens: int ``(N,)`` tokens per row, for a cap that counts tokens (:func:`cap_weights`).
-
-    Returns:
-        ``(ClusterResult, pyarrow.Table)``: the table has ``example_id`` (string), ``cluster`` (int32),
-        ``distance`` (float32).
-
-    Raises:
-        ValueError: as :func:`cluster_sketches`.
-        ConfigError: ``from_run`` is missing, not a run, has no map, or its features do not match (named).
-    """
-    import pyarrow as pa
-
-    c = cfg.clustering
-    weights = cap_weights(cfg, n_tokens) if c.max_cluster_ratio is not None else None
-    if c.from_run:
-        from .cluster_map import check_features, load_cluster_map, map_labels
-        from .features.feature_store import feature_settings
-
-        cmap = load_cluster_map(c.from_run)
-        check_features(cmap, int(np.shape(sketches)[1]), c.algorithm, feature_settings(cfg.sketch), features)
-        known = map_labels(cmap.run_dir, example_ids, cmap.centroids.shape[0])
-        res = cluster_from_map(sketches, cmap, known, refit=c.refit,
-                               min_cluster_size=c.min_cluster_size, max_cluster_ratio=c.max_cluster_ratio,
-                               max_drift=c.max_drift, seed=c.seed, weights=weights)
-    else:
-        res = cluster_sketches(sketches, c.k, cfg.train.num_workers, c.seed, c.min_cluster_size,
-                               algorithm=c.algorithm, max_cluster_ratio=c.max_cluster_ratio, weights=weights)
-    table = pa.table({"example_id": example_ids, "cluster": res.labels.astype(np.int32),
-                      "distance": res.dist.astype(np.float32)})
-    return res, table
-
-
-def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, resume: bool = False,
-        features: dict | None = None, n_tokens: np.ndarray | None = None) -> tuple:
-    """The cluster stage's edge: :func:`cluster_with_config` on the features (from scratch, or with
-    ``clustering.from_run`` on that run's map), ``clusters.parquet`` written (``example_id``, ``cluster`` int32,
-    ``distance`` float32 to the final centroid: ``1 - cos`` for ``clustering.algorithm: spherical``, the squared
-    Euclidean distance for ``kmeans``) and the run's own map, ``centroids.parquet``
-    (:func:`ray_cluster_ft.cluster_map.save_cluster_map`), for a later ``from_run``.
-
-    Args:
-        cfg: the job config (``clustering`` section: ``k``, ``algorithm``, ``seed``, ``min_cluster_size``,
-            ``max_cluster_ratio``; ``train.num_workers`` for ``k: auto`` and ``k: world_size``).
-        run_dir: the run directory.
-        example_ids: str ``(N,)`` candidate ids, in the order of ``sketches``.
-        sketches: float32 ``(N, d)``.
-        resume: the stopped run's ``clusters.parquet`` must hold the same assignment.
-        features: the feature stage's summary (recorded in the map; checked against ``from_run``'s).
-        n_tokens: int64 ``(N,)`` tokens per row (a cap that counts tokens, :func:`cap_weights`).
-
-    Returns:
-        ``(ClusterResult, summary)``: the summary is the manifest's ``clustering`` entry (k, merged clusters,
-        sizes, ``algorithm``, ``capped: true``, ``cap`` and ``cap_by`` (rows or tokens) when the soft cap fired,
-        ``p95_distance`` of the map written, ``from_run`` (:attr:`ClusterResult.from_run`) and the
-        :func:`clustering_warning` and drift warning when there are any).
-
-    Raises:
-        ConfigError: (``resume``) the assignment changed; ``from_run`` unusable (see :func:`cluster_with_config`);
-            fewer clusters than ranks after merging with
-            ``allocation.strategy: cluster`` (unless ``allocation.allow_shared_clusters``), or a cluster count
-            other than the world size with ``cluster_per_rank``.
-    """
-    import pyarrow.parquet as pq
-
-    from .config import ConfigError
-    from .rundir import claim, same_as_before
-
-    c = cfg.clustering
-    W = cfg.train.num_workers
-    from .cluster_map import CENTROIDS_FILE, save_cluster_map
-
-    res, table = cluster_with_config(cfg, example_ids, sketches, features, n_tokens)
-    if resume:
-        same_as_before(run_dir / "clusters.parquet", table, ["example_id", "cluster"])
-    pq.write_table(table, claim(run_dir, "clusters.parquet"))
-    meta = save_cluster_map(claim(run_dir, CENTROIDS_FILE), sketches, res.labels, res.centroids, res.algorithm,
-                            features)
-    summary = {"k": int(res.k), "merged_small_clusters": int(res.n_merged_clusters),
-               "sizes": np.bincount(res.labels).tolist(), "algorithm": res.algorithm,
-               "p95_distance": meta["p95_distance"]}
-    if res.cap is not None:
-        summary.update(capped=True, cap=int(res.cap), cap_by=_cap_unit(cfg))
-    if res.from_run is not None:
-        summary["from_run"] = res.from_run
-        d = res.from_run["drift"]
-        if d["suggest_recluster"]:
-            summary["drift_warning"] = drift_warning(d, refit=cfg.clustering.refit)
-            print(f"[ray-cluster-ft] warning: {summary['drift_warning']}", flush=True)
-    warning = clustering_warning(res.k, res.n_merged_clusters, W, c.min_cluster_size)
-    alloc = cfg.allocation
-    if alloc.strategy == "cluster_per_rank" and res.k != W:
-        raise ConfigError(f"allocation.strategy 'cluster_per_rank' needs {W} clusters (train.num_workers), but "
-                          f"clustering left {res.k}" + (f" after merging {res.n_merged_clusters} smaller than "
-                          f"clustering.min_cluster_size={c.min_cluster_size}" if res.n_merged_clusters else ""))
-    if warning and alloc.strategy == "cluster" and not alloc.allow_shared_clusters:
-        raise ConfigError(f"{warning}; or set allocation.allow_shared_clusters: true to run anyway")
-    if warning:
-        summary["warning"] = warning
-        print(f"[ray-cluster-ft] warning: {warning}", flush=True)
-    return res, summary
-
-
 def refit_kmeans(xs: np.ndarray, init: np.ndarray, algorithm: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """k-means warm-started from a map's centroids (``clustering.refit: true``): Lloyd iterations from ``init``,
     one start, no k-means++.
 
     ``spherical``: scikit-learn ``KMeans(init=init, n_init=1, algorithm="lloyd")`` on the unit rows (above
-    :data:`~ray_cluster_ft.clustering.MINIBATCH_THRESHOLD` rows ``MiniBatchKMeans`` with the same init on a
+    :data:`MINIBATCH_THRESHOLD` rows ``MiniBatchKMeans`` with the same init on a
     seeded sample of at most ``_FIT_ROWS`` rows, then every row to its most cosine-similar centre), centroids
-    the renormalised means of each cluster (as :func:`~ray_cluster_ft.clustering.spherical_kmeans`).
+    the renormalised means of each cluster (as :func:`spherical_kmeans`).
     ``kmeans``: ``KMeans(init=init, n_init=1)`` on the rows as given (the published clustering, warm-started).
 
     Args:
@@ -656,8 +389,6 @@ def refit_kmeans(xs: np.ndarray, init: np.ndarray, algorithm: str, seed: int = 0
     """
     from sklearn.cluster import KMeans, MiniBatchKMeans
     from sklearn.exceptions import ConvergenceWarning
-
-    from .cluster_map import nearest_distances
 
     n, k = xs.shape[0], init.shape[0]
     if k > n:
