@@ -76,7 +76,7 @@ def write_manifest(run_dir: Path, cfg, manifest: dict, timer: StageTimer, *, dat
 
     Args:
         data: the data stage's :class:`~ray_cluster_ft.data.DataStage`.
-        selection: the select stage's :class:`~ray_cluster_ft.select.SelectionStage`.
+        selection: the select stage's :class:`~ray_cluster_ft.select.SelectOutput`.
         allocation: the allocation stage's :class:`~ray_cluster_ft.allocate.AllocationStage`.
         tres: the :class:`~ray_cluster_ft.train.TrainResult`, or ``None`` (plan only).
         scores: held-out metrics ``before``/``after`` training, and per ``evaluation.paths`` file

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_cluster_ft import select as sel
-from ray_cluster_ft import select_within as within  # holds the block sizes the tests shrink
+from ray_cluster_ft.select import within  # holds the block sizes the tests shrink
 from ray_cluster_ft.select import select, select_within, water_fill_quotas
 
 

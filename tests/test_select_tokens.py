@@ -5,12 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_cluster_ft.select import (
-    select,
-    select_with_config,
-    token_budget_count,
-    water_fill_quotas,
-)
+from ray_cluster_ft.select import select, select_with_config, water_fill_quotas
+from ray_cluster_ft.select.quotas import token_budget_count
 
 
 def test_water_filling_in_tokens_known_values():
@@ -75,7 +71,7 @@ def test_random_token_budget_takes_the_seeded_order_while_it_fits():
 
 
 def test_a_long_row_does_not_end_the_token_pick():
-    from ray_cluster_ft.select import _fit_in_order
+    from ray_cluster_ft.select.quotas import _fit_in_order
 
     assert _fit_in_order(np.array([3, 4, 10, 2, 1, 5]), 10).tolist() == [0, 1, 3, 4]
     assert _fit_in_order(np.array([11, 12]), 10).tolist() == []

@@ -3,7 +3,7 @@
 ``kcenter`` (farthest-point traversal under cosine distance), ``strata`` (by distance to the centroid, with
 near-duplicates dropped), and the published method's orders by distance alone: ``peripheral`` (farthest first,
 its default ``close`` prune type), ``central`` (nearest first) and ``random`` (kaist-dmlab/CluSTER,
-``src/CluSTER/call_back.py``, ``_kmeans_prune_equalize_interleave``). Used by :mod:`ray_cluster_ft.select`.
+``src/CluSTER/call_back.py``, ``_kmeans_prune_equalize_interleave``). Used by :mod:`.quotas`. Pure.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from typing import Literal
 
 import numpy as np
 
+from ._checks import _check_int
+
 __all__ = [
+    "DISTANCE_ORDERS",
     "select_within",
 ]
 
@@ -29,16 +32,11 @@ _BLOCK_LLOYD_ITERS = 10  # spherical Lloyd passes that make the k-center blocks 
 _DEDUP_KEPT_BLOCK = 8192  # kept rows per block: bounds the (chunk x block) similarity temporary to 32 MiB
 
 
-_ORDERS = ("peripheral", "central", "random")  # within-cluster choices by distance order alone
+DISTANCE_ORDERS = ("peripheral", "central", "random")
+"""The within-cluster choices by distance order alone (no sketches needed)."""
 
 
-_WITHIN = ("kcenter", "strata") + _ORDERS
-
-
-def _check_int(name: str, v, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return int(v)
+_WITHIN = ("kcenter", "strata") + DISTANCE_ORDERS
 
 
 def _unit_rows(x) -> np.ndarray:
@@ -276,7 +274,7 @@ def select_within(
         raise ValueError(f"method must be one of {', '.join(map(repr, _WITHIN))}, got {method!r}")
     if not (0.0 < float(dedup_threshold) <= 1.0):
         raise ValueError(f"dedup_threshold must be in (0, 1], got {dedup_threshold!r}")
-    if method in _ORDERS:
+    if method in DISTANCE_ORDERS:
         return _select_ordered(x_c, dist_c, quota, method, seed)
     xn = _unit_rows(x_c)
     n = xn.shape[0]
