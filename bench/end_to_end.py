@@ -930,7 +930,7 @@ def main(argv=None) -> dict:
         paths, eval_paths = write_data(out / "data", args.examples, seed=0), []
     print(f"[bench] setup {args.setup}: pool {', '.join(paths)}"
           + (f"; evaluation files {', '.join(eval_paths)}" if eval_paths else ""), flush=True)
-    from ray_cluster_ft._ray import init_ray
+    from ray_cluster_ft.pipeline.session import init_ray
 
     init_ray(None, False)  # once for every arm (each run_pipeline then joins it)
     evaluator_for = make_evaluator(args, {})

@@ -85,7 +85,7 @@ def file_hash(path: Path, columns: list[str] | None = None) -> str:
 def job(name: str, work: Path, data_path: str, model: str, store: str | None, args, from_run: str | None = None):
     """One plan-only run; returns its manifest."""
     from ray_cluster_ft.config import parse_config
-    from ray_cluster_ft.recipe import run_pipeline
+    from ray_cluster_ft.pipeline import run_pipeline
 
     out = work / name
     if out.exists():

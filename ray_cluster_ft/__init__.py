@@ -12,7 +12,7 @@ The stages, one module or package each, every one a ``run(cfg, run_dir, ...)`` t
   :mod:`ray_cluster_ft.select`: water-filled quotas and k-center picks (or the published equal cuts); :mod:`ray_cluster_ft.allocate`: the rank x step plan (pure algorithms, no Ray);
 * :mod:`ray_cluster_ft.train`: Ray Train + DeepSpeed workers that train exactly their planned rows;
 * :mod:`ray_cluster_ft.evaluate`: held-out loss, multiple-choice accuracy, pass@1;
-* :func:`run_pipeline` (:mod:`ray_cluster_ft.recipe`) runs them in order; ``ray-cluster-ft`` is the CLI;
+* :func:`run_pipeline` (:mod:`ray_cluster_ft.pipeline`) runs them in order; ``ray-cluster-ft`` is the CLI;
 * :func:`compute_features` and :func:`select_and_plan` (:mod:`ray_cluster_ft.api`): the same features, clusters,
   selection and plan as a library, with no run directory;
 * :mod:`ray_cluster_ft.integrations`: the plan in your own trainer (a torch ``PlanBatchSampler``, a Hugging Face
@@ -43,7 +43,7 @@ from .config import (
 )
 from .data import collate, load_examples
 from .features import compute_sketches, read_sketches
-from .recipe import run_pipeline
+from .pipeline import run_pipeline
 from .select import SelectionResult
 from .train import TrainResult
 

@@ -140,7 +140,7 @@ def _sketch_settings(cfg) -> tuple[SketchConfig, JobConfig | None]:
         raise TypeError(f"compute_features: cfg must be a JobConfig or a SketchConfig, got {type(cfg).__name__}")
     if sk.warmup_steps:
         raise ValueError("compute_features does not warm up the sketch model (sketch.warmup_steps); warm it up "
-                         "with ray_cluster_ft.features.warm_up and pass the result as model")
+                         "with ray_cluster_ft.pipeline.warm_up and pass the result as model")
     if sk.model and sk.method != "embedding":
         raise ValueError(f"compute_features sketches with its model argument; pass sketch.model {sk.model!r} as "
                          f"model (the rows are then tokenized with its tokenizer)")

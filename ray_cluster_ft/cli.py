@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides = {"output.dir": args.output} if args.output else {}
         cfg = load_config(path, overrides)
         run_dir = Path(cfg.output.dir).expanduser().resolve()
-        from .recipe import run_features, run_pipeline
+        from .pipeline import run_features, run_pipeline
 
         if args.command == "features":
             with _stop_on_signals():

@@ -298,7 +298,7 @@ def test_mixed_file_counts_add_up_and_every_good_row_is_kept(tmp_path, demo_toke
 @pytest.mark.slow
 def test_mixed_file_run_manifest_accounts_for_every_row(tmp_path, tiny_model_dir):
     """The same file through a real run (up to the plan, random baselines so no sketching): the manifest adds up."""
-    from ray_cluster_ft.recipe import run_pipeline
+    from ray_cluster_ft.pipeline import run_pipeline
 
     f, lines, good, _ = _mixed_file(tmp_path)
     out = tmp_path / "run"
@@ -481,7 +481,7 @@ def test_cli_reports_config_errors_before_ray(tmp_path, capsys):
 
 
 def test_cli_ctrl_c_prints_one_line(tmp_path, capsys, monkeypatch):
-    from ray_cluster_ft import recipe as pipeline
+    from ray_cluster_ft import pipeline
     from ray_cluster_ft.cli import main
 
     def interrupted(*_, **__):
@@ -531,7 +531,7 @@ def test_model_folders_without_usable_weights_or_tokenizer_are_refused(tmp_path,
 
     from ray_cluster_ft.model import check_model_files
     from ray_cluster_ft.model import check_module_patterns as _check_module_patterns
-    from ray_cluster_ft.recipe import run_pipeline
+    from ray_cluster_ft.pipeline import run_pipeline
 
     check_model_files(str(tiny_model_dir))
     check_model_files("HuggingFaceTB/SmolLM2-135M")  # a hub id: checked when loaded
@@ -613,7 +613,7 @@ def test_report_says_why_there_is_no_evaluation_after_training(tmp_path):
     import numpy as np
 
     from ray_cluster_ft.allocate import make_plan
-    from ray_cluster_ft.report import write_report
+    from ray_cluster_ft.pipeline.report import write_report
 
     plan = make_plan(np.array([f"e{i}" for i in range(8)]), np.arange(8) % 2, np.full(8, 10), 2, 2).plan
     manifest = {"counts": {k: 8 for k in ("read", "accepted", "selected", "trained")} | {
@@ -632,14 +632,14 @@ def test_report_says_why_there_is_no_evaluation_after_training(tmp_path):
 
 
 def test_report_tables_escape_values_from_the_data():
-    from ray_cluster_ft.report import _table
+    from ray_cluster_ft.pipeline.report import _table
 
     out = _table(["domain", "examples"], [["co|de", 3], ["med\nical", 4]])
     assert out.splitlines()[2:] == ["| co\\|de | 3 |", "| med ical | 4 |"]
 
 
 def test_report_tables_format_token_counts():
-    from ray_cluster_ft.report import _table
+    from ray_cluster_ft.pipeline.report import _table
 
     out = _table(["metric", "plan"], [["critical_path_tokens", 13848.0], ["padding_fraction", 0.0321], ["k", 5]])
     assert "| critical_path_tokens | 13,848 |" in out and "| padding_fraction | 0.0321 |" in out

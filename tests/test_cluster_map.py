@@ -76,7 +76,7 @@ def test_from_run_assigns_the_same_rows_as_before_and_new_rows_to_the_nearest(tm
 
 
 def test_rows_from_elsewhere_drift_and_the_report_suggests_reclustering(tmp_path, old_run):
-    from ray_cluster_ft.report import _cluster_map_lines
+    from ray_cluster_ft.pipeline.report import _cluster_map_lines
 
     x, ids, run_dir, _, _ = old_run
     far, _ = planted_blobs(n_centres=1, per=30, d=16, seed=99)  # another direction altogether

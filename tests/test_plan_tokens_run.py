@@ -12,7 +12,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "mixed_120.jsonl"
 
 def test_plan_only_run_with_a_token_budget_and_packing(tmp_path, tiny_model_dir):
     from ray_cluster_ft.config import parse_config
-    from ray_cluster_ft.recipe import run_pipeline
+    from ray_cluster_ft.pipeline import run_pipeline
 
     out = tmp_path / "run"
     cfg = parse_config({

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from ray_cluster_ft.config import parse_config
-from ray_cluster_ft.recipe import run_pipeline
+from ray_cluster_ft.pipeline import run_pipeline
 from ray_cluster_ft.train import verify_trained
 
 pytestmark = pytest.mark.slow
@@ -164,7 +164,7 @@ def test_unreachable_ray_address_fails_fast():
     import time
 
     from ray_cluster_ft.config import ConfigError
-    from ray_cluster_ft._ray import check_reachable as _check_reachable
+    from ray_cluster_ft.pipeline.session import check_reachable as _check_reachable
 
     t0 = time.perf_counter()
     with pytest.raises(ConfigError, match="cannot reach a Ray cluster at '127.0.0.1:1'"):
@@ -179,7 +179,7 @@ def test_world_size_beyond_local_resources_is_refused(monkeypatch):
     import ray
 
     from ray_cluster_ft.config import ConfigError
-    from ray_cluster_ft._ray import check_local_resources as _check_local_resources
+    from ray_cluster_ft.pipeline.session import check_local_resources as _check_local_resources
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     _check_local_resources(parse_config({"train": {"num_workers": 2}}))
@@ -250,7 +250,7 @@ def test_no_address_starts_a_new_local_ray_and_an_address_joins(monkeypatch):
     ``ray start`` made runs hang); without --address and $RAY_ADDRESS the run asks for a new local Ray."""
     import ray
 
-    from ray_cluster_ft._ray import init_ray
+    from ray_cluster_ft.pipeline.session import init_ray
 
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

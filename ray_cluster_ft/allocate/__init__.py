@@ -6,11 +6,11 @@ Pure functions, no Ray, no I/O; :func:`run` is the stage's edge that writes ``pl
 
 from .metrics import check_plan, microbatch_table, plan_hash, plan_metrics
 from .plan import PLAN_COLUMNS, PlanResult, make_plan
-from .stage import AllocationStage, plan_selection, run
+from .stage import AllocateOutput, plan_selection, run
 
 __all__ = [
     "PLAN_COLUMNS",
-    "AllocationStage",
+    "AllocateOutput",
     "PlanResult",
     "check_plan",
     "make_plan",

@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 from .metrics import plan_hash, plan_metrics
 from .plan import PlanResult, make_plan
 
-__all__ = ["AllocationStage", "plan_selection", "run"]
+__all__ = ["AllocateOutput", "plan_selection", "run"]
 
 
 @dataclass(frozen=True)
-class AllocationStage:
+class AllocateOutput:
     """What the allocation stage hands on.
 
     Attributes:
@@ -37,6 +37,11 @@ class AllocationStage:
     baseline: pd.DataFrame | None
     metrics: dict
     weights: pd.Series
+
+    @property
+    def summary(self) -> dict:
+        """The manifest's ``plan_metrics``: :attr:`metrics`."""
+        return self.metrics
 
 
 def plan_selection(cfg, example_ids: np.ndarray, labels: np.ndarray, n_tokens: np.ndarray, selected: np.ndarray,
@@ -67,7 +72,7 @@ def plan_selection(cfg, example_ids: np.ndarray, labels: np.ndarray, n_tokens: n
 
 
 def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_tokens: np.ndarray,
-        selected: np.ndarray, reasons: list, expected_plan_hash: str | None = None) -> AllocationStage:
+        selected: np.ndarray, reasons: list, expected_plan_hash: str | None = None) -> AllocateOutput:
     """Plan the selected candidates with ``allocation.strategy`` and write the stage's artifacts.
 
     ``selection.parquet`` (``example_id``, ``cluster`` int32, ``reason``) lists the selected rows the plan
@@ -82,6 +87,9 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
             n_tokens: int ``(N,)``.
         selected: int ``(S,)`` indices of the selected candidates; reasons: ``S`` strings, why each was picked.
         expected_plan_hash: on ``--resume``, the stopped run's :func:`plan_hash`; the plan must equal it.
+
+    Returns:
+        :class:`AllocateOutput`.
 
     Raises:
         ConfigError: the plan differs from the stopped run's.
@@ -106,4 +114,4 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
     print(f"[ray-cluster-ft] plan: {json.dumps(metrics, default=float)}", flush=True)
     weights = pd.Series(selection.column("weight").to_numpy(), index=selection.column("example_id").to_pylist(),
                         dtype=np.float64)
-    return AllocationStage(plan, res, baseline, metrics, weights)
+    return AllocateOutput(plan, res, baseline, metrics, weights)

@@ -208,8 +208,8 @@ def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_clu
     for a ``spherical`` map, squared Euclidean for ``kmeans``), and the drift of the new rows is measured against
     the map's 95th-percentile distance (:func:`drift`). With ``refit``, k-means
     is then warm-started from the map's centroids (:func:`refit_kmeans`). Then as
-    :func:`~ray_cluster_ft.cluster.kmeans.cluster_sketches`: clusters left empty are dropped, for ``spherical`` those below
-    ``min_cluster_size`` are dissolved into their nearest surviving centroid (point-wise); the map's centroids are
+    :func:`~ray_cluster_ft.cluster.kmeans.cluster_sketches`: clusters left empty are dropped, for ``spherical``
+    those below ``min_cluster_size`` are dissolved into their nearest surviving centroid (point-wise); the map's centroids are
     kept as they are (with ``refit``, recomputed after a merge); the soft cap applies; distances are to the final
     centroids.
 
@@ -226,8 +226,8 @@ def cluster_from_map(x, cmap, known: np.ndarray, *, refit: bool = False, min_clu
         :class:`ClusterResult` with ``algorithm`` the map's and ``from_run`` filled.
 
     Raises:
-        ValueError: as :func:`~ray_cluster_ft.cluster.kmeans.cluster_sketches`' input checks; a feature size other than the map's; with
-            ``refit``, more map centroids than rows.
+        ValueError: as :func:`~ray_cluster_ft.cluster.kmeans.cluster_sketches`' input checks; a feature size
+            other than the map's; with ``refit``, more map centroids than rows.
     """
     arr = _as_matrix(x)
     if arr.shape[1] != cmap.centroids.shape[1]:

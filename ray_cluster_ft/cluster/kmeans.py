@@ -89,8 +89,8 @@ class ClusterResult:
             rows, or tokens when the cap weighed rows by their tokens (``clustering.cap_by``).
         from_run: with ``clustering.from_run``
             (:func:`~ray_cluster_ft.cluster.cluster_map.cluster_from_map`): ``{"run_dir", "refit", "map_k",
-            "map_clusters" (the map cluster each cluster is), "drift"}`` (:func:`ray_cluster_ft.cluster.cluster_map.drift`),
-            else None.
+            "map_clusters" (the map cluster each cluster is), "drift"}``
+            (:func:`ray_cluster_ft.cluster.cluster_map.drift`), else None.
     """
 
     labels: np.ndarray

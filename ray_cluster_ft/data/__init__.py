@@ -18,14 +18,14 @@ from .read import (
     load_messages,
     reason_category,
 )
-from .stage import DataStage, run
+from .stage import DataOutput, run
 
 __all__ = [
     "IGNORE_INDEX",
     "EXAMPLE_SCHEMA",
     "MEDICAL_SUBJECTS",
+    "DataOutput",
     "DataResult",
-    "DataStage",
     "Rejection",
     "as_token_rows",
     "canonicalize",

@@ -13,11 +13,11 @@ from ..rundir import claim, same_as_before
 from .examples import DataResult, load_examples
 from .read import reason_category
 
-__all__ = ["DataStage", "run"]
+__all__ = ["DataOutput", "run"]
 
 
 @dataclass(frozen=True)
-class DataStage:
+class DataOutput:
     """What the data stage hands on.
 
     Attributes:
@@ -39,6 +39,15 @@ class DataStage:
     eval_files: dict = field(default_factory=dict)
     eval_overlap: dict = field(default_factory=dict)
 
+    @property
+    def summary(self) -> dict:
+        """The data stage's part of the manifest's ``counts``: ``read``, ``accepted`` (candidates + held out),
+        ``rejected``, ``held_out``, ``candidates``, ``truncated`` and ``rejected_by_reason``."""
+        d = self.result
+        return {"read": d.n_read, "accepted": d.train.num_rows + d.eval.num_rows, "rejected": len(d.rejected),
+                "held_out": d.eval.num_rows, "candidates": d.train.num_rows, "truncated": d.truncated,
+                "rejected_by_reason": self.reasons}
+
 
 def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
     from ..model import check_model_files, load_tokenizer, resolve_model_path
@@ -55,7 +64,7 @@ def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
                           f"there?): {first}") from None
 
 
-def run(cfg: JobConfig, run_dir: Path, resume: bool = False) -> DataStage:
+def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
     """Read, canonicalise, tokenize and split every source of ``cfg.data``; write ``examples.parquet``,
     ``eval_examples.parquet`` and ``rejected.jsonl`` into ``run_dir``.
 
@@ -64,6 +73,9 @@ def run(cfg: JobConfig, run_dir: Path, resume: bool = False) -> DataStage:
         run_dir: the run directory.
         resume: the stopped run's ``examples.parquet`` / ``eval_examples.parquet`` must equal what is read
             now (checked before anything is overwritten).
+
+    Returns:
+        :class:`DataOutput`.
 
     Raises:
         ConfigError: the tokenizer cannot be loaded, a data file is unreadable, or (``resume``) the data changed.
@@ -93,7 +105,7 @@ def run(cfg: JobConfig, run_dir: Path, resume: bool = False) -> DataStage:
     overlap = {path: len(candidates.intersection(res.train.column("example_id").to_pylist()))
                for path, res in eval_files.items()}
     _warn_eval_files(eval_files, overlap)
-    return DataStage(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files, overlap)
+    return DataOutput(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files, overlap)
 
 
 def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:

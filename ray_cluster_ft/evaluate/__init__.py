@@ -32,20 +32,19 @@ from .metrics import (
     pass_at_1,
 )
 from .stage import (
-    EvaluationInputs,
+    EvaluateOutput,
     Evaluator,
     evaluate_model_path,
     evaluate_tasks,
     ray_evaluator,
     run,
-    run_files,
     write_samples,
 )
 from .tasks import demo_eval_fields, eval_tasks, humaneval_records, task_from_row
 
 __all__ = [
     "LETTERS",
-    "EvaluationInputs",
+    "EvaluateOutput",
     "Evaluator",
     "check_completions",
     "choice_logprobs",
@@ -60,7 +59,6 @@ __all__ = [
     "pass_at_1",
     "ray_evaluator",
     "run",
-    "run_files",
     "run_program",
     "task_from_row",
     "write_samples",

@@ -19,14 +19,13 @@ from .metrics import choice_logprobs, heldout_loss, mc_result, pass_at_1
 from .tasks import eval_tasks
 
 __all__ = [
-    "evaluate_tasks",
-    "evaluate_model_path",
-    "ray_evaluator",
-    "write_samples",
+    "EvaluateOutput",
     "Evaluator",
-    "EvaluationInputs",
+    "evaluate_model_path",
+    "evaluate_tasks",
+    "ray_evaluator",
     "run",
-    "run_files",
+    "write_samples",
 ]
 
 
@@ -222,8 +221,8 @@ def write_samples(path: Path, samples: list[dict]) -> None:
 
 
 @dataclass(frozen=True)
-class EvaluationInputs:
-    """What the evaluation stage scores.
+class _Scoring:
+    """One scoring pass of the evaluation stage.
 
     Attributes:
         model_path: the model folder to score (the base model before training, ``final_model`` after).
@@ -245,8 +244,8 @@ class EvaluationInputs:
     name: str = ""
 
 
-def run(cfg: JobConfig, run_dir: Path, inputs: EvaluationInputs) -> dict:
-    """The evaluation stage: score ``inputs.model_path`` on the held-out rows.
+def _score(run_dir: Path, inputs: _Scoring) -> dict:
+    """Score ``inputs.model_path`` on ``inputs.examples``.
 
     Writes ``eval_{when}_samples.jsonl`` (one record per scored task) and, before training,
     ``eval_before.json`` (read back on ``resume``, so a resumed run compares against the same base scores).
@@ -270,14 +269,14 @@ def run(cfg: JobConfig, run_dir: Path, inputs: EvaluationInputs) -> dict:
     return metrics
 
 
-def run_files(cfg: JobConfig, run_dir: Path, files: dict, model_path: str | None, when: str,
-              evaluator: Evaluator) -> dict:
+def _score_files(cfg: JobConfig, run_dir: Path, files: dict, model_path: str | None, when: str,
+                 evaluator: Evaluator) -> dict:
     """Score ``model_path`` on every ``evaluation.paths`` file (``files``: path -> its
     :class:`~ray_cluster_ft.data.DataResult`, all rows in ``train``), each with its own tasks and
     ``eval_{when}_file<i>_samples.jsonl``.
 
     Returns:
-        ``{path: metrics}`` (as :func:`run` returns them).
+        ``{path: metrics}`` (as :func:`_score` returns them).
     """
     from ..config import DataConfig
 
@@ -287,5 +286,52 @@ def run_files(cfg: JobConfig, run_dir: Path, files: dict, model_path: str | None
         table = res.train
         tasks = eval_tasks(DataConfig(source="files", paths=[path]), table, max_mc=ev.max_mc,
                            max_code=ev.max_code) if table.num_rows else []
-        out[path] = run(cfg, run_dir, EvaluationInputs(model_path, table, tasks, when, evaluator, name=f"file{i}"))
+        out[path] = _score(run_dir, _Scoring(model_path, table, tasks, when, evaluator, name=f"file{i}"))
     return out
+
+
+@dataclass(frozen=True)
+class EvaluateOutput:
+    """What the evaluation stage hands on.
+
+    Attributes:
+        when: ``"before"`` or ``"after"`` (training).
+        metrics: the held-out split's scores (``{}`` when nothing is held out or there is no model): the
+            manifest's ``eval.before`` / ``eval.after``.
+        files: ``{path: metrics}`` per ``evaluation.paths`` file (the manifest's ``eval_files``).
+    """
+
+    when: str
+    metrics: dict
+    files: dict
+
+    @property
+    def summary(self) -> dict:
+        """The manifest's ``eval.<when>`` entry: :attr:`metrics`."""
+        return self.metrics
+
+
+def run(cfg: JobConfig, run_dir: Path, *, model_path: str | None, examples: pa.Table, tasks: list, when: str,
+        evaluator: Evaluator, eval_files: dict | None = None, resume: bool = False) -> EvaluateOutput:
+    """The evaluation stage: score ``model_path`` on the held-out rows, then on every ``evaluation.paths`` file.
+
+    Args:
+        cfg: the job config (``evaluation`` limits).
+        run_dir: the run directory (``eval_{when}*_samples.jsonl``, ``eval_before.json``).
+        model_path: the model folder to score (the base model before training, ``final_model`` after); None
+            scores nothing.
+        examples: the held-out rows (:data:`ray_cluster_ft.data.EXAMPLE_SCHEMA`).
+        tasks: :func:`eval_tasks`' multiple-choice items and code problems of those rows.
+        when: ``"before"`` or ``"after"`` (training): names the artifacts.
+        evaluator: the :data:`Evaluator` to call.
+        eval_files: per ``evaluation.paths`` file its rows (:class:`~ray_cluster_ft.data.DataResult`, all in
+            ``train``); None for none.
+        resume: ``before`` only: read back ``eval_before.json`` of a stopped run instead of scoring the held-out
+            split again (the files are scored again: they are never cached).
+
+    Returns:
+        :class:`EvaluateOutput`.
+    """
+    metrics = _score(run_dir, _Scoring(model_path, examples, tasks, when, evaluator, resume))
+    files = _score_files(cfg, run_dir, eval_files or {}, model_path, when, evaluator)
+    return EvaluateOutput(when, metrics, files)

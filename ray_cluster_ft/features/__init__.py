@@ -8,8 +8,10 @@
 * :mod:`.store`: resumable Parquet shards keyed by settings, model and inputs; :func:`read_sketches`;
 * :mod:`.feature_store`: the cross-run feature store (``sketch.store``), content-addressed, on any pyarrow
   filesystem;
-* :mod:`.stage`: the Ray Data actor pool (:func:`compute_sketches`) and the stage (:func:`run`);
-* :mod:`.warmup`: optional warm-up training of the sketch model (LESS, Xia et al. 2024).
+* :mod:`.stage`: the Ray Data actor pool (:func:`compute_sketches`) and the stage (:func:`run`).
+
+The optional warm-up of the sketch model (LESS, Xia et al. 2024) trains, so it lives above training, in
+:mod:`ray_cluster_ft.pipeline.warmup`.
 """
 
 from .feature_store import FeatureStore, model_fingerprint, row_input_hashes, store_key
@@ -26,14 +28,13 @@ from .sketchers import (
     length_batches,
     make_sketcher,
 )
-from .stage import FeatureStage, ShardSketcher, compute_sketches, run, sketch_with_store
+from .stage import FeaturesOutput, ShardSketcher, compute_sketches, run, sketch_with_store
 from .store import Shard, plan_shards, read_sketches, sketch_fingerprint
-from .warmup import warm_up, warmup_plan, warmup_sample
 
 __all__ = [
     "EMBEDDING_PACKAGE",
     "EmbeddingSketcher",
-    "FeatureStage",
+    "FeaturesOutput",
     "FeatureStore",
     "GradientSketcher",
     "LastLayerSketcher",
@@ -62,8 +63,5 @@ __all__ = [
     "sketch_fingerprint",
     "sketch_with_store",
     "store_key",
-    "warm_up",
-    "warmup_plan",
-    "warmup_sample",
     "weight_gradients",
 ]

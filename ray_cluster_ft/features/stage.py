@@ -3,8 +3,8 @@
 ``sketch.model`` may name a smaller proxy model (re-tokenised when its tokenizer differs),
 ``sketch.method: embedding`` replaces gradients by all-MiniLM-L6-v2 sentence embeddings (the model-free
 baseline), ``sketch.method: last_layer`` by CluSTER's last-layer gradient proxy (:mod:`.last_layer`, normalised
-here on the driver by the world size), and ``sketch.warmup_steps`` trains the sketch model briefly first
-(:mod:`.warmup`).
+here on the driver by the world size). A warmed-up sketch model (``sketch.warmup_steps``) comes from the
+pipeline (:mod:`ray_cluster_ft.pipeline.warmup`) as ``run``'s ``sketch_model``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = [
     "ShardSketcher",
     "compute_sketches",
     "sketch_with_store",
-    "FeatureStage",
+    "FeaturesOutput",
     "finish_features",
     "run",
 ]
@@ -429,7 +429,7 @@ def _digest(obj) -> str:
 
 
 @dataclass(frozen=True)
-class FeatureStage:
+class FeaturesOutput:
     """What the feature stage hands on.
 
     Attributes:
@@ -442,13 +442,13 @@ class FeatureStage:
     summary: dict
 
 
-def run(cfg, run_dir: Path, train, tokenizer, timer) -> FeatureStage:
-    """The feature stage: optional warm-up of the sketch model, then every candidate sketched by Ray Data actors
-    into ``run_dir/sketches`` (resumable: finished shards of the same inputs, model and settings are kept, any
-    other file there is removed), read back in candidate order. With ``sketch.store`` the rows the store holds
-    for these settings and this model are read from it and only the others are sketched (and then added to the
-    store): :func:`sketch_with_store`. The summary's ``features_computed`` and ``features_reused`` (the
-    manifest's ``counts``) add up to the candidates.
+def run(cfg, run_dir: Path, *, candidates, tokenizer=None, inputs=None, sketch_model: str | None = None
+        ) -> FeaturesOutput:
+    """The feature stage: every candidate sketched by Ray Data actors into ``run_dir/sketches`` (resumable:
+    finished shards of the same inputs, model and settings are kept, any other file there is removed), read back
+    in candidate order. With ``sketch.store`` the rows the store holds for these settings and this model are read
+    from it and only the others are sketched (and then added to the store): :func:`sketch_with_store`. The
+    summary's ``features_computed`` and ``features_reused`` (the manifest's ``counts``) add up to the candidates.
 
     ``sketch.method: last_layer``: the shards hold the raw CluSTER features, and the normalisation of the
     published code, which depends on the world size, is applied here to all candidates at once
@@ -459,33 +459,35 @@ def run(cfg, run_dir: Path, train, tokenizer, timer) -> FeatureStage:
     Args:
         cfg: the job config (``sketch``, ``model``, ``data``, ``train`` sections).
         run_dir: the run directory.
-        train: the candidates, :data:`ray_cluster_ft.data.EXAMPLE_SCHEMA`.
-        tokenizer: the trained model's tokenizer.
-        timer: times the ``sketch_warmup`` and ``sketch`` sub-stages (``timer.stage(name)`` context).
+        candidates: the candidates, :data:`ray_cluster_ft.data.EXAMPLE_SCHEMA`.
+        tokenizer: the trained model's tokenizer (unused when ``inputs`` is given).
+        inputs: :func:`prepare_sketch_inputs` of the candidates, when the caller made them already (the
+            pipeline does, for the warm-up); default made here.
+        sketch_model: the model folder to sketch with: the warmed-up model after ``sketch.warmup_steps``
+            (:func:`ray_cluster_ft.pipeline.warmup.warm_up`); default ``inputs.model_path``.
+
+    Returns:
+        :class:`FeaturesOutput`.
 
     Raises:
         RuntimeError: the actors did not produce exactly one sketch per candidate.
     """
     from ..rundir import claim
-    from .warmup import warm_up
 
-    sk_inputs = prepare_sketch_inputs(train, cfg, tokenizer)  # proxy model / re-tokenised / text
-    sketch_model = sk_inputs.model_path
-    if cfg.sketch.warmup_steps:
-        with timer.stage("sketch_warmup"):
-            sketch_model = warm_up(sk_inputs, cfg, claim(run_dir, "warmup"))
-    with timer.stage("sketch"):
-        sketch_dir = claim(run_dir, "sketches")
-        sk, summary = sketch_with_store(
-            sk_inputs.table, sketch_model, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
-            trust_remote_code=cfg.model.trust_remote_code, pad_token_id=sk_inputs.pad_token_id,
-            gpu_actors=cfg.train.num_workers)
-        summary.update(model=sketch_model, retokenized=sk_inputs.retokenized)
-        ids = np.asarray(train.column("example_id").to_pylist())
-        sketches, normalisation = finish_features(sk, ids, cfg.sketch.method, cfg.train.num_workers)
-        if normalisation is not None:
-            summary["normalisation"] = normalisation
-    return FeatureStage(sketches, summary)
+    if inputs is None:
+        inputs = prepare_sketch_inputs(candidates, cfg, tokenizer)  # proxy model / re-tokenised / text
+    model = sketch_model if sketch_model is not None else inputs.model_path
+    sketch_dir = claim(run_dir, "sketches")
+    sk, summary = sketch_with_store(
+        inputs.table, model, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
+        trust_remote_code=cfg.model.trust_remote_code, pad_token_id=inputs.pad_token_id,
+        gpu_actors=cfg.train.num_workers)
+    summary.update(model=model, retokenized=inputs.retokenized)
+    ids = np.asarray(candidates.column("example_id").to_pylist())
+    sketches, normalisation = finish_features(sk, ids, cfg.sketch.method, cfg.train.num_workers)
+    if normalisation is not None:
+        summary["normalisation"] = normalisation
+    return FeaturesOutput(sketches, summary)
 
 
 def finish_features(sk: dict, example_ids, method: str, world_size: int) -> tuple[np.ndarray, str | None]:

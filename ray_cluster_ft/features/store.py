@@ -16,6 +16,7 @@ from ..config import SketchConfig
 
 __all__ = [
     "Shard",
+    "model_files_fingerprint",
     "sketch_fingerprint",
     "plan_shards",
     "read_sketches",
@@ -58,7 +59,7 @@ class Shard:
     file: str
 
 
-def _model_fingerprint(model_path: str) -> dict:
+def model_files_fingerprint(model_path: str) -> dict:
     """What identifies the weights: for a local folder the names, sizes and mtimes of its files (a warm-up
     model retrained in place gets new mtimes), else the hub id itself."""
     p = Path(model_path).expanduser()
@@ -74,7 +75,7 @@ def _model_fingerprint(model_path: str) -> dict:
 
 def sketch_fingerprint(cfg: SketchConfig, model_path: str, use_gpu: bool) -> str:
     """Hex digest of everything a sketch's values depend on besides its example: method, model weights (see
-    :func:`_model_fingerprint`), modules, ``last_blocks``, ``k_in``, ``k_out``, ``dim``, seed, dtype and device
+    :func:`model_files_fingerprint`), modules, ``last_blocks``, ``k_in``, ``k_out``, ``dim``, seed, dtype and device
     kind. Batch sizes and actor counts are left out: a sketch does not depend on its batch mates (up to float
     rounding). The last-layer feature and the embeddings use no projection, so only method and dtype count for
     them (a changed ``dim`` does not recompute them)."""
@@ -83,7 +84,7 @@ def sketch_fingerprint(cfg: SketchConfig, model_path: str, use_gpu: bool) -> str
     used = ("method", "modules", "last_blocks", "k_in", "k_out", "dim", "seed", "dtype") \
         if cfg.method == "gradient" else ("method", "dtype")
     keys = {k: v for k, v in cfg.model_dump().items() if k in used}
-    blob = json.dumps({"v": 1, "cfg": keys, "model": _model_fingerprint(model_path), "gpu": bool(use_gpu)},
+    blob = json.dumps({"v": 1, "cfg": keys, "model": model_files_fingerprint(model_path), "gpu": bool(use_gpu)},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

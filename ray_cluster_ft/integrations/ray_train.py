@@ -19,6 +19,7 @@ from __future__ import annotations
 import pandas as pd
 import pyarrow as pa
 
+from ..pipeline.session import ensure_ray
 from ..train import build_rank_tables
 from .torch import plan_shape
 
@@ -42,14 +43,20 @@ def plan_datasets(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_s
         columns ``example_id`` (string), ``epoch, step, micro_index`` (int64), ``input_ids, labels`` (list<int>),
         ``weight`` and ``step_weighted_tokens`` (float64).
 
+    Without a Ray in this process, one is started the way every entry point starts it
+    (:func:`ray_cluster_ft.pipeline.session.ensure_ray`: a new local Ray unless ``$RAY_ADDRESS`` names one) and
+    left running for the trainer.
+
     Raises:
         ValueError: a plan for another world size or one ``check_plan`` rejects; plan ids missing from
             ``examples`` or ``weights``; anything else ``build_rank_tables`` rejects.
+        ConfigError: Ray could not start or be joined (:func:`ray_cluster_ft.pipeline.session.init_ray`).
     """
     import ray.data
 
     shape = plan_shape(plan, world_size)
     tables = build_rank_tables(plan, examples, shape.world_size, weights)
+    ensure_ray()
     out = {}
     for r, t in enumerate(tables):
         ds = ray.data.from_arrow(t)

@@ -23,7 +23,7 @@ from .deepspeed import (
     merge_deepspeed_config,
     read_deepspeed_json,
 )
-from .driver import TrainResult, run, train, verify_trained
+from .driver import TrainOutput, TrainResult, run, train, verify_trained
 from .loop import FAIL_AT_STEP_ENV
 from .rank_data import PLAN_COLUMNS, TRAINED_COLUMNS, build_rank_tables, plan_hash
 from .step import micro_batch_to_device, train_micro_batch
@@ -32,6 +32,7 @@ __all__ = [
     "FAIL_AT_STEP_ENV",
     "PLAN_COLUMNS",
     "TRAINED_COLUMNS",
+    "TrainOutput",
     "TrainResult",
     "build_deepspeed_config",
     "build_rank_tables",

@@ -20,9 +20,10 @@ from .loop import FAIL_AT_STEP_ENV, train_loop_per_worker
 from .rank_data import _KEY, TRAINED_COLUMNS, build_rank_tables, plan_hash
 
 __all__ = [
+    "TrainOutput",
     "TrainResult",
-    "train",
     "run",
+    "train",
     "verify_trained",
 ]
 
@@ -360,10 +361,40 @@ def verify_trained(plan: pd.DataFrame, trained: pd.DataFrame) -> dict:
     }
 
 
+NOT_TRAINED = {"matches_plan": None, "once_per_epoch": None, "distinct_trained": 0, "mismatched_ranks": []}
+"""The manifest's ``checks`` of a run that trained nothing (``--plan-only``)."""
+
+
+@dataclass(frozen=True)
+class TrainOutput:
+    """What the training stage hands on.
+
+    Attributes:
+        result: the :class:`TrainResult` of :func:`train`.
+        checks: :func:`verify_trained` of ``trained.parquet`` against the plan (the manifest's ``checks``).
+    """
+
+    result: TrainResult
+    checks: dict
+
+    @property
+    def summary(self) -> dict:
+        """The manifest's ``train`` entry: steps, seconds, final loss, the final model folder (or None), per-rank
+        step-time percentiles and all-reduce waits, and the steps a resumed run found done."""
+        r = self.result
+        return {"steps": r.steps, "seconds": r.seconds, "final_loss": r.final_loss,
+                "final_model": str(r.final_model_dir) if r.final_model_dir else None,
+                "step_time_p50_s": list(r.step_time_p50_s), "step_time_p90_s": list(r.step_time_p90_s),
+                "wait_mean_s": list(r.wait_mean_s), "resumed_from_step": r.resumed_from_step}
+
+
 def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_path: str, pad_token_id: int,
-        weights: pd.Series | None = None, resume: bool = False) -> TrainResult:
+        weights: pd.Series | None = None, resume: bool = False) -> TrainOutput:
     """The training stage: :func:`train` on the planned rows of ``candidates`` (the whole candidates table;
-    only the rows the plan names are sent to the workers).
+    only the rows the plan names are sent to the workers), then the trained log checked against the plan.
+
+    Returns:
+        :class:`TrainOutput`.
 
     Raises:
         RuntimeError: the workers trained something other than the plan.
@@ -377,4 +408,4 @@ def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_p
                 save_model=cfg.output.save_model, pad_token_id=pad_token_id, resume=resume,
                 weights=weights if cfg.train.loss_weighting == "cluster" else None,
                 attn_implementation=cfg.model.attn_implementation, packing=cfg.allocation.packing)
-    return res
+    return TrainOutput(res, verify_trained(plan, pd.read_parquet(Path(run_dir) / "trained.parquet")))

@@ -547,7 +547,7 @@ def test_prepare_sketch_inputs_proxy_retokenises_and_embedding_text(tiny_dir, tm
 def test_warmup_sample_and_plan():
     from ray_cluster_ft.allocate import check_plan
     from ray_cluster_ft.config import TrainConfig
-    from ray_cluster_ft.features import warmup_plan, warmup_sample
+    from ray_cluster_ft.pipeline.warmup import warmup_plan, warmup_sample
 
     assert warmup_sample(364, 8, 4, 0.05) == (16, 2)  # 18 rows -> 2 whole steps; 4 steps need 2 epochs
     assert warmup_sample(1000, 8, 3, 0.5) == (496, 1)
@@ -570,7 +570,7 @@ def test_warmup_sample_and_plan():
 @pytest.mark.slow
 def test_pipeline_rerun_in_the_same_run_dir_reuses_the_sketch_shards(tmp_path, tiny_model_dir):
     from ray_cluster_ft.config import parse_config
-    from ray_cluster_ft.recipe import run_pipeline
+    from ray_cluster_ft.pipeline import run_pipeline
 
     cfg = parse_config({
         "data": {"source": "demo", "limit": 24, "max_seq_len": 256, "eval_fraction": 0.15, "max_eval": 8},

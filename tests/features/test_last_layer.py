@@ -125,8 +125,6 @@ def test_normalise_last_layer_by_world_size():
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_stage_run_normalises_the_raw_shards_on_the_driver(tmp_path, monkeypatch, workers):
-    import contextlib
-
     import pyarrow as pa
 
     from ray_cluster_ft.features import stage
@@ -147,8 +145,7 @@ def test_stage_run_normalises_the_raw_shards_on_the_driver(tmp_path, monkeypatch
     monkeypatch.setattr("ray_cluster_ft.rundir.claim", lambda run_dir, *p: Path(run_dir) / p[0])
     cfg = SimpleNamespace(sketch=SketchConfig(method="last_layer"), model=SimpleNamespace(trust_remote_code=False),
                           train=SimpleNamespace(num_workers=workers, use_gpu=False))
-    timer = SimpleNamespace(stage=lambda name: contextlib.nullcontext())
-    res = stage.run(cfg, tmp_path, pa.table({"example_id": ids}), None, timer)
+    res = stage.run(cfg, tmp_path, candidates=pa.table({"example_id": ids}), tokenizer=None)
     np.testing.assert_allclose(res.sketches, normalise_last_layer(raw, workers), atol=1e-6)
     assert res.summary["normalisation"] == ("mean_centred" if workers == 1 else "l2_rows")
 

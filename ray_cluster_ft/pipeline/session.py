@@ -1,5 +1,6 @@
-"""Starting or joining Ray for a run, and the checks that make a bad address or an impossible world size fail
-fast instead of waiting for minutes."""
+"""The Ray session of every entry point: :func:`ray_session` starts a new local Ray (or joins the one an address or
+``$RAY_ADDRESS`` names) and shuts down what it started, also when the run is interrupted; and the checks that
+make a bad address or an impossible world size fail fast instead of waiting for minutes."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import os
 import signal
 import threading
 
-from .config import ConfigError, JobConfig
+from ..config import ConfigError, JobConfig
 
-__all__ = ["check_local_resources", "check_reachable", "init_ray"]
+__all__ = ["check_local_resources", "check_reachable", "ensure_ray", "init_ray", "ray_session"]
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -47,13 +48,16 @@ def _callers_sigterm_handler():
         ray_utils.set_sigterm_handler = original
 
 
-def init_ray(address: str | None, use_gpu: bool) -> bool:
+def init_ray(address: str | None, use_gpu: bool | None) -> bool:
     """Start or join Ray; returns True when this call started it (so the pipeline shuts it down).
 
     No ``address`` and no ``$RAY_ADDRESS`` means a new local Ray (``address="local"``): a plain ``ray.init()``
     would instead join whatever ``/tmp/ray/ray_current_cluster`` names, and a file left by a crashed
     ``ray start`` made runs hang for minutes on a dead address. Joining a running cluster takes
     ``--address auto`` (or ``$RAY_ADDRESS``).
+
+    ``use_gpu`` False gives every Ray worker ``DS_ACCELERATOR=cpu`` (DeepSpeed on CPU workers), True nothing;
+    None (a caller that does not run this project's training) sets no variable.
 
     Raises:
         ConfigError: the address is unreachable (checked within seconds), or Ray could not start or connect.
@@ -62,7 +66,7 @@ def init_ray(address: str | None, use_gpu: bool) -> bool:
 
     if ray.is_initialized():
         return False
-    env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
+    env = {} if use_gpu or use_gpu is None else {"DS_ACCELERATOR": "cpu"}
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     check_reachable(address)
     main = threading.current_thread() is threading.main_thread()
@@ -82,6 +86,38 @@ def init_ray(address: str | None, use_gpu: bool) -> bool:
             if handler is not None:
                 signal.signal(sig, handler)
     return True
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, use_gpu: bool | None = False):
+    """The Ray session of a run: started (or joined) on entry by :func:`init_ray`, shut down on exit if this call
+    started it. On ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM through the CLI) it is shut down even when joined:
+    the driver's actors and workers must stop now, and a driver that leaves Ray drops them.
+
+    Yields:
+        True when this call started Ray (a Ray already initialised in this process is used as it is).
+
+    Raises:
+        ConfigError: as :func:`init_ray`.
+    """
+    started = init_ray(address, use_gpu)
+    try:
+        yield started
+    except KeyboardInterrupt:
+        started = True
+        raise
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def ensure_ray(address: str | None = None) -> bool:
+    """Ray for a caller whose results outlive the call (Ray datasets handed back to a user's own trainer): started
+    or joined as :func:`ray_session` does (a new local Ray unless ``address`` or ``$RAY_ADDRESS`` names one, never
+    whatever a stale ``/tmp/ray`` file names), and left running. Returns True when this call started it."""
+    return init_ray(address, None)
 
 
 def check_local_resources(cfg: JobConfig) -> None:

@@ -46,8 +46,8 @@ def _step_figures(plan: pd.DataFrame, packed: bool = False) -> dict:
     ``plan_metrics``' ``collisions_per_step_rows``), and the scalars ``padding`` (pad / padded tokens) and
     ``critical_path`` (sum over steps of the slowest rank's padded tokens).
     """
-    from .allocate import microbatch_table
-    from .allocate.metrics import _row_collisions
+    from ..allocate import microbatch_table
+    from ..allocate.metrics import _row_collisions
 
     w = int(plan["rank"].nunique())
     mb = microbatch_table(plan)

@@ -1,5 +1,8 @@
 """Warm-up training of the sketch model before sketching (``sketch.warmup_steps``; LESS, Xia et al. 2024,
 Sec. 4.1: gradients of the raw base model select little better than random).
+
+It trains (:mod:`ray_cluster_ft.train`) on a plan (:mod:`ray_cluster_ft.allocate`), so it sits above both, here in
+the pipeline; the feature stage then sketches with the model folder it returns.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .store import _model_fingerprint
+from ..allocate import make_plan
+from ..features.store import model_files_fingerprint
+from ..train import train
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .inputs import SketchInputs
-
+    from ..features.inputs import SketchInputs
 
 
 __all__ = [
@@ -71,8 +75,6 @@ def warmup_plan(example_ids, n_tokens, train_cfg, sketch_cfg):
     Raises:
         ValueError: see :func:`warmup_sample`.
     """
-    from ..allocate import make_plan
-
     t = train_cfg
     ids = np.asarray(example_ids).astype(str)
     per_step = t.num_workers * t.micro_batch_size * t.grad_accum
@@ -94,7 +96,8 @@ def warm_up(inputs: SketchInputs, cfg, out_dir: str | Path) -> str:
     training checkpoint (``out_dir/ray_train``) is deleted once ``final_model`` is written.
 
     Args:
-        inputs: from :func:`prepare_sketch_inputs` (the sketch model and its token ids).
+        inputs: from :func:`~ray_cluster_ft.features.inputs.prepare_sketch_inputs` (the sketch model and its token
+            ids).
         cfg: the :class:`~ray_cluster_ft.config.JobConfig`; Ray must be initialised.
         out_dir: the warm-up run folder (``run_dir/warmup``).
 
@@ -104,8 +107,6 @@ def warm_up(inputs: SketchInputs, cfg, out_dir: str | Path) -> str:
     import json
 
     import pyarrow as pa
-
-    from ..train import train
 
     t = cfg.train
     if hasattr(t, "lora") and t.lora.enabled and not t.lora.merge:
@@ -117,7 +118,7 @@ def warm_up(inputs: SketchInputs, cfg, out_dir: str | Path) -> str:
     out = Path(out_dir)
     key = hashlib.sha256(json.dumps({
         "plan": plan[["rank", "step", "micro_index", "example_id"]].to_numpy().tolist(),
-        "train": t.model_dump(mode="json"), "model": _model_fingerprint(str(inputs.model_path)),
+        "train": t.model_dump(mode="json"), "model": model_files_fingerprint(str(inputs.model_path)),
     }, sort_keys=True, default=str).encode()).hexdigest()
     marker, final = out / "warmup.json", out / "final_model"
     if marker.is_file() and (final / "config.json").is_file() and json.loads(marker.read_text()).get("key") == key:

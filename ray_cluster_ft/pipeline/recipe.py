@@ -1,26 +1,27 @@
 """The pipeline: each stage's ``run`` in order, one run directory, then the manifest and the report.
 
 data -> features -> cluster -> select -> allocate -> evaluate (before) -> train -> evaluate (after).
-Stages talk only through the artifacts of docs/design.md ("Artifacts") and the results they return.
+Stages talk only through the artifacts of docs/design.md ("Artifacts") and the frozen outputs they return; the
+recipe times them (``timings_s`` in the manifest) and hands the outputs to :mod:`.manifest` and :mod:`.report`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from . import allocate, cluster, data, evaluate, features, select, train
-from ._ray import check_local_resources, init_ray
-from .config import JobConfig, check_against_data, needs_clusters
-from .features.feature_store import check_store
-from .manifest import StageTimer, write_manifest
-from .model import check_module_patterns, resolve_models
-from .rundir import claim, input_paths, prepare_run_dir, write_spec
+from .. import allocate, cluster, data, evaluate, features, select, train
+from ..config import ConfigError, JobConfig, check_against_data, needs_clusters
+from ..features.feature_store import check_store
+from ..features.inputs import prepare_sketch_inputs
+from ..model import check_module_patterns, resolve_models
+from ..rundir import claim, input_paths, prepare_run_dir, write_spec
+from .manifest import StageTimer, features_manifest, pipeline_manifest, write_manifest
+from .session import check_local_resources, ray_session
+from .warmup import warm_up
 
 __all__ = ["run_features", "run_pipeline"]
 
@@ -50,29 +51,27 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     if cfg.train.deepspeed_config:  # read and checked once, here on the driver; workers get the dict
         train.build_deepspeed_config(cfg.train)
     run_dir = Path(cfg.output.dir).expanduser().resolve()
-    prepare_run_dir(run_dir, resume, input_paths(cfg))
-    timer = StageTimer()
-    manifest: dict = {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "argv": sys.argv,
-                      "resumed": resume}
     old_plan = run_dir / "plan.parquet"
-    old_hash = allocate.plan_hash(pd.read_parquet(old_plan)) if resume and old_plan.exists() else None
-    write_spec(cfg, run_dir)
-    # Once, here on the driver: `demo` and hub ids become absolute folders under model.cache_dir, which the
-    # workers, sketch actors and the evaluation task load as they are (they never resolve a name themselves).
-    cfg, manifest["models"] = resolve_models(cfg)
+
+    def read_old_hash():
+        return allocate.plan_hash(pd.read_parquet(old_plan)) if resume and old_plan.exists() else None
+
+    timer = StageTimer()
+    spec = cfg.model_dump(mode="json")  # the manifest keeps the user's spec, not the resolved model folders
+    cfg, models, old_hash = _prepare(cfg, run_dir, resume, before_spec=read_old_hash)
     if cfg.sketch.store and needs_clusters(cfg):
         check_store(cfg.sketch.store)
 
     # Before Ray: a bad config or bad data fails fast.
     with timer.stage("data"):
-        ds = data.run(cfg, run_dir, resume)
+        ds = data.run(cfg, run_dir, resume=resume)
     cand = ds.result.train
     check_against_data(cfg, cand.num_rows, ds.result.n_read, int(np.sum(cand.column("n_tokens").to_numpy())))
     clustered = needs_clusters(cfg)
     check_module_patterns(cfg, ds.model_path, clustered)
 
-    started_ray = init_ray(address, cfg.train.use_gpu)
-    try:
+    feats = clusters = trained = before = after = None
+    with ray_session(address, cfg.train.use_gpu) as started_ray:
         # A plan for any world size may be made on a laptop: only training needs the workers' resources.
         if started_ray and not plan_only and not (address or os.environ.get("RAY_ADDRESS")):
             check_local_resources(cfg)
@@ -80,14 +79,12 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
         n_tokens = np.asarray(cand.column("n_tokens").to_numpy(), dtype=np.int64)
         sketches = labels = dist = None
         if clustered:
-            feats = features.run(cfg, run_dir, cand, ds.tokenizer, timer)
-            manifest["sketch"] = feats.summary
+            feats = _features(cfg, run_dir, ds, timer)
             sketches = feats.sketches
             with timer.stage("cluster"):
-                clustered_out = cluster.run(cfg, run_dir, example_ids=ids, sketches=sketches, resume=resume,
-                                            features=feats.summary, n_tokens=n_tokens)
-            manifest["clustering"] = clustered_out.summary
-            labels, dist = clustered_out.labels, clustered_out.dist
+                clusters = cluster.run(cfg, run_dir, example_ids=ids, sketches=sketches, resume=resume,
+                                       features=feats.summary, n_tokens=n_tokens)
+            labels, dist = clusters.labels, clusters.dist
         with timer.stage("select"):
             sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist,
                              n_tokens=n_tokens)
@@ -96,19 +93,12 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
                                  labels=labels if clustered else np.zeros(len(ids), dtype=np.int64),
                                  n_tokens=n_tokens, selected=np.asarray(sel.result.indices),
                                  reasons=sel.result.reasons, expected_plan_hash=old_hash)
-        manifest["plan_metrics"] = alloc.metrics
-        tres, scores = None, {}
         if not plan_only:
-            tres, scores = _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume)
-    except KeyboardInterrupt:
-        started_ray = True  # on a joined cluster too: the driver's actors and workers must stop now
-        raise
-    finally:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
-    return _finish(run_dir, cfg, manifest, timer, ds, sel, alloc, labels, tres, scores)
+            before, trained, after = _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume)
+    manifest = pipeline_manifest(cfg, run_dir, timer, spec=spec, resumed=resume, models=models, data=ds,
+                                 features=feats, cluster=clusters, select=sel, allocate=alloc, train=trained,
+                                 before=before, after=after)
+    return _finish(run_dir, manifest, alloc, labels, sel, trained)
 
 
 def run_features(cfg: JobConfig, address: str | None = None) -> dict:
@@ -132,19 +122,12 @@ def run_features(cfg: JobConfig, address: str | None = None) -> dict:
         ConfigError: ``sketch.store`` is not set (the features would be kept nowhere), or as :func:`run_pipeline`
             for the data stage.
     """
-    import json
-
-    from .config import ConfigError
-    from .manifest import feature_counts
-
     if not cfg.sketch.store:
         raise ConfigError("ray-cluster-ft features writes features into the feature store: set sketch.store (a "
                           "local path, s3:// or gs://) in the job spec")
     run_dir = Path(cfg.output.dir).expanduser().resolve()
-    prepare_run_dir(run_dir, False, input_paths(cfg))
     timer = StageTimer()
-    write_spec(cfg, run_dir)
-    cfg, _ = resolve_models(cfg)  # as run_pipeline: the sketch actors load an absolute folder
+    cfg, _, _ = _prepare(cfg, run_dir, False)
     check_store(cfg.sketch.store)
     with timer.stage("data"):
         ds = data.run(cfg, run_dir)
@@ -153,60 +136,70 @@ def run_features(cfg: JobConfig, address: str | None = None) -> dict:
         raise ConfigError(f"no candidate rows to featurise: {ds.result.n_read} read, {len(ds.result.rejected)} "
                           f"rejected, {ds.result.eval.num_rows} held out")
     check_module_patterns(cfg, ds.model_path, True)
-    started_ray = init_ray(address, cfg.train.use_gpu)
-    try:
-        feats = features.run(cfg, run_dir, cand, ds.tokenizer, timer)
-    except KeyboardInterrupt:
-        started_ray = True
-        raise
-    finally:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
-    d = ds.result
-    timer.timings["total"] = round(time.perf_counter() - timer.t_start, 3)
-    manifest = {"command": "features", "config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
-                "argv": sys.argv,
-                "counts": {"read": d.n_read, "accepted": d.train.num_rows + d.eval.num_rows,
-                           "rejected": len(d.rejected), "held_out": d.eval.num_rows, "candidates": cand.num_rows,
-                           **feature_counts(feats.summary)},
-                "sketch": feats.summary, "seeds": {"data": cfg.data.seed, "sketch": cfg.sketch.seed},
-                "timings_s": timer.timings}
+    with ray_session(address, cfg.train.use_gpu):
+        feats = _features(cfg, run_dir, ds, timer)
+    manifest = features_manifest(cfg, run_dir, timer, data=ds, features=feats)
     claim(run_dir, "manifest.json")
-    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=float))
+    write_manifest(run_dir, manifest)
     return manifest
 
 
+def _prepare(cfg: JobConfig, run_dir: Path, resume: bool, before_spec=None) -> tuple:
+    """The preamble of every entry point: the run directory made ours (:func:`ray_cluster_ft.rundir.prepare_run_dir`),
+    ``before_spec()`` (what must be read before the spec is rewritten), the spec saved, and the models resolved
+    once, here on the driver: ``demo`` and hub ids become absolute folders under ``model.cache_dir``, which the
+    workers, sketch actors and the evaluation task load as they are (they never resolve a name themselves).
+
+    Returns:
+        ``(cfg with resolved model paths, {"model.path", "sketch.model", "model.cache_dir"}, before_spec() or
+        None)``.
+    """
+    prepare_run_dir(run_dir, resume, input_paths(cfg))
+    early = before_spec() if before_spec is not None else None
+    write_spec(cfg, run_dir)
+    cfg, models = resolve_models(cfg)
+    return cfg, models, early
+
+
+def _features(cfg: JobConfig, run_dir: Path, ds, timer: StageTimer):
+    """The sketch inputs, the optional warm-up of the sketch model (``sketch_warmup``), then the feature stage
+    (``sketch``)."""
+    inputs = prepare_sketch_inputs(ds.result.train, cfg, ds.tokenizer)  # proxy model / re-tokenised / text
+    sketch_model = inputs.model_path
+    if cfg.sketch.warmup_steps:
+        with timer.stage("sketch_warmup"):
+            sketch_model = warm_up(inputs, cfg, claim(run_dir, "warmup"))
+    with timer.stage("sketch"):
+        return features.run(cfg, run_dir, candidates=ds.result.train, inputs=inputs, sketch_model=sketch_model)
+
+
 def _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume) -> tuple:
-    """Held-out scores of the base model, training, and held-out scores of the trained model."""
+    """Held-out scores of the base model, training, and held-out scores of the trained model:
+    ``(EvaluateOutput, TrainOutput, EvaluateOutput)``."""
     evaluator = evaluator or evaluate.ray_evaluator(cfg, ds.pad_token_id)
     held = ds.result.eval
     ev = cfg.evaluation
     tasks = evaluate.eval_tasks(cfg.data, held, max_mc=ev.max_mc, max_code=ev.max_code) if held.num_rows else []
+    scoring = {"examples": held, "tasks": tasks, "evaluator": evaluator, "eval_files": ds.eval_files}
     with timer.stage("evaluate_before"):
-        before = evaluate.run(cfg, run_dir, evaluate.EvaluationInputs(ds.model_path, held, tasks, "before",
-                                                                       evaluator, resume))
-        files_before = evaluate.run_files(cfg, run_dir, ds.eval_files, ds.model_path, "before", evaluator)
+        before = evaluate.run(cfg, run_dir, model_path=ds.model_path, when="before", resume=resume, **scoring)
     with timer.stage("train"):
-        tres = train.run(cfg, run_dir, plan=alloc.plan, candidates=ds.result.train, model_path=ds.model_path,
-                         pad_token_id=ds.pad_token_id, weights=alloc.weights, resume=resume)
+        trained = train.run(cfg, run_dir, plan=alloc.plan, candidates=ds.result.train, model_path=ds.model_path,
+                            pad_token_id=ds.pad_token_id, weights=alloc.weights, resume=resume)
     with timer.stage("evaluate_after"):
-        final = str(tres.final_model_dir) if tres.final_model_dir else None
-        after = evaluate.run(cfg, run_dir, evaluate.EvaluationInputs(final, held, tasks, "after", evaluator))
-        files_after = evaluate.run_files(cfg, run_dir, ds.eval_files, final, "after", evaluator)
-    return tres, {"before": before, "after": after, "files_before": files_before, "files_after": files_after}
+        final = trained.result.final_model_dir
+        after = evaluate.run(cfg, run_dir, model_path=str(final) if final else None, when="after", **scoring)
+    return before, trained, after
 
 
-def _finish(run_dir, cfg, manifest, timer, ds, sel, alloc, labels, tres, scores) -> dict:
-    """Manifest and report; raises when the trained log does not match the plan."""
+def _finish(run_dir: Path, manifest: dict, alloc, labels, sel, trained) -> dict:
+    """Manifest and report written; raises when the trained log does not match the plan."""
     from .report import FIGURES, write_report
 
     claim(run_dir, "manifest.json", "report.md", *FIGURES)
-    manifest = write_manifest(run_dir, cfg, manifest, timer, data=ds, selection=sel, allocation=alloc, tres=tres,
-                              scores=scores)
+    write_manifest(run_dir, manifest)
     write_report(run_dir, manifest, alloc.plan, labels, np.asarray(sel.result.indices), baseline_plan=alloc.baseline)
     check = manifest["checks"]
-    if tres is not None and not (check["matches_plan"] and check["once_per_epoch"]):
+    if trained is not None and not (check["matches_plan"] and check["once_per_epoch"]):
         raise RuntimeError(f"trained log does not match the plan: {check}")
     return manifest
