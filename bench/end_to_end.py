@@ -176,8 +176,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> str:
 def _demo_rows(examples: int | None, seed: int) -> dict[str, list]:
     """The demo's HumanEval and MMLU-medical rows (a seeded sample of ``examples`` each; None = all), with the
     task fields of :func:`ray_cluster_ft.evaluate.demo_eval_fields`."""
-    from ray_cluster_ft.data import iter_demo_rows
-    from ray_cluster_ft.evaluate import demo_eval_fields, humaneval_records
+    from ray_cluster_ft.data.read import iter_demo_rows
+    from ray_cluster_ft.evaluate.tasks import demo_eval_fields, humaneval_records
 
     he = humaneval_records()
     by_source: dict[str, list] = {"humaneval": [], "mmlu-medical": []}

@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _rows(tokenizer, n: int, max_len: int):
-    from ray_cluster_ft.data import canonicalize, tokenize_rows
+    from ray_cluster_ft.data import canonicalize
+    from ray_cluster_ft.data.examples import tokenize_rows
 
     msgs = [canonicalize(json.loads(x)) for x in (REPO / "tests/fixtures/mixed_120.jsonl").read_text().splitlines()]
     toks = [t for t in tokenize_rows(msgs, tokenizer, max_len, "truncate") if not isinstance(t, str)]
@@ -43,7 +44,7 @@ def _features(model_dir: str, rows, device: str, dtype: str) -> dict:
     """Gradient sketch (last 4 blocks) and last-layer feature of ``rows`` on ``device`` under ``dtype``."""
     import numpy as np
 
-    from ray_cluster_ft.features import GradientSketcher, LastLayerSketcher
+    from ray_cluster_ft.features.sketchers import GradientSketcher, LastLayerSketcher
 
     batch = {"example_id": np.array([str(i) for i in range(len(rows))]),
              "input_ids": np.array([np.asarray(r[0]) for r in rows] + [None], dtype=object)[:-1],

@@ -50,7 +50,8 @@ def main() -> None:
     import torch
 
     from ray_cluster_ft.model import load_model, load_tokenizer
-    from ray_cluster_ft.features import select_modules, sketch_fidelity
+    from ray_cluster_ft.features import select_modules
+    from ray_cluster_ft.features.reference import sketch_fidelity
     from tests.conftest import shared_data_dir
     from tests.test_sketch_fidelity import real_examples
 

@@ -188,14 +188,10 @@ def main() -> None:
     _pin_mmap_threshold()
     import torch
 
-    from ray_cluster_ft.features import (
-        make_projector,
-        select_modules,
-        sketch_batch,
-        weight_gradients,
-    )
+    from ray_cluster_ft.features import make_projector, select_modules, sketch_batch
+    from ray_cluster_ft.features.reference import weight_gradients
     from ray_cluster_ft.features.last_layer import last_layer_features
-    from ray_cluster_ft.features.projection import _finish
+    from ray_cluster_ft.features._sketch_ops import _finish
     from ray_cluster_ft.features.sketchers import _autocast
     from ray_cluster_ft.model import load_model, load_tokenizer
 

@@ -122,8 +122,9 @@ def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *
     table = _input_table(rows_or_table, tokenizer, job.data if job else DataConfig(), sk.method)
     sketch_model = _sketch_model(sk, model_path, cache)
     args = (table, sketch_model, sk, trust, int(tokenizer.pad_token_id))
-    raw = _on_ray(*args, bool(job and job.train.use_gpu), work_dir) if _ray_running() else _in_process(*args)
-    from .features.stage import finish_features
+    from .features.stage import finish_features, sketch_in_process
+
+    raw = _on_ray(*args, bool(job and job.train.use_gpu), work_dir) if _ray_running() else sketch_in_process(*args)
 
     ids = np.asarray(table.column("example_id").to_pylist(), dtype=object)
     feats, _ = finish_features(raw, ids, sk.method, w or 1)
@@ -161,7 +162,7 @@ def _sketch_model(sk: SketchConfig, model_path: str, cache: Path) -> str:
     """The model the sketcher loads: the given one, or for ``embedding`` the encoder (as the feature stage)."""
     if sk.method != "embedding":
         return model_path
-    from .features import embedding_model_dir
+    from .features.sketchers import embedding_model_dir
     from .model import resolve_model_path
 
     return resolve_model_path(sk.model, "sketch.model", cache=cache) if sk.model else embedding_model_dir()
@@ -196,7 +197,8 @@ def _tokenize(rows: Sequence[Any], tokenizer, data: DataConfig, chunk: int = 204
     """
     import pyarrow as pa
 
-    from .data import canonicalize, example_id, tokenize_rows
+    from .data import canonicalize, example_id
+    from .data.examples import tokenize_rows
 
     msgs = []
     for i, row in enumerate(rows):
@@ -239,23 +241,6 @@ def _ray_running() -> bool:
     except ImportError:  # pragma: no cover - ray is a dependency
         return False
     return ray.is_initialized()
-
-
-def _in_process(table, model_path: str, sk: SketchConfig, trust: bool, pad_token_id: int) -> dict:
-    """The sketcher called directly, chunk by chunk; ``{"example_id", "sketch"}`` in input order."""
-    from .features import make_sketcher
-    from .features.stage import _SUBBATCHES_PER_RAY_BATCH
-
-    fn = make_sketcher(sk.method, model_path, sk.model_dump(), trust, pad_token_id)
-    step = _SUBBATCHES_PER_RAY_BATCH * sk.batch_size  # a shard of compute_sketches: the same sub-batches
-    ids, out = [], []
-    for lo in range(0, table.num_rows, step):
-        part = table.slice(lo, step)
-        # Ray Data's numpy batch format: ragged list columns as 1-D object arrays of arrays.
-        res = fn({c: part.column(c).to_numpy(zero_copy_only=False) for c in part.column_names})
-        ids.extend(res["example_id"].tolist())
-        out.append(res["sketch"])
-    return {"example_id": np.asarray(ids, dtype=object), "sketch": np.concatenate(out)}
 
 
 def _on_ray(table, model_path: str, sk: SketchConfig, trust: bool, pad_token_id: int, use_gpu: bool,

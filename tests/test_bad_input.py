@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ray_cluster_ft.config import ConfigError, DataConfig, JobConfig, check_against_data, load_config, parse_config
-from ray_cluster_ft.data import Rejection, canonicalize, example_id, iter_file_rows, load_examples
+from ray_cluster_ft.data import canonicalize, example_id, load_examples
+from ray_cluster_ft.data.read import Rejection, iter_file_rows
 from ray_cluster_ft.model import resolve_model_path
 
 GOOD = {"prompt": "What is the capital of France?", "response": "Paris."}
@@ -325,7 +326,7 @@ def test_mixed_file_run_manifest_accounts_for_every_row(tmp_path, tiny_model_dir
     # The tally has one key per category, not per offending value (the two bad roles share one).
     from collections import Counter
 
-    from ray_cluster_ft.data import reason_category
+    from ray_cluster_ft.data.read import reason_category
 
     assert c["rejected_by_reason"] == dict(Counter(reason_category(b[2]) for b in BAD_LINES))
     assert c["rejected_by_reason"]["messages[i].role not system/user/assistant"] == 2
@@ -578,7 +579,7 @@ def test_clustering_warning_when_fewer_clusters_than_ranks():
 
 
 def test_reason_categories_fold_values_and_indices():
-    from ray_cluster_ft.data import reason_category
+    from ray_cluster_ft.data.read import reason_category
 
     cases = {
         "messages[3].role is 'ro|bot', expected system/user/assistant": "messages[i].role not system/user/assistant",

@@ -91,7 +91,7 @@ def test_rows_from_elsewhere_drift_and_the_report_suggests_reclustering(tmp_path
 
 
 def test_known_rows_keep_their_cluster_new_rows_take_the_nearest():
-    from ray_cluster_ft.cluster import cluster_from_map
+    from ray_cluster_ft.cluster.cluster_map import cluster_from_map
 
     cent = np.asarray([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
     cmap = ClusterMap(cent, np.asarray([2, 2]), "spherical", 0.05, {})

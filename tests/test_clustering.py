@@ -8,7 +8,8 @@ from sklearn.metrics import adjusted_rand_score
 
 from ray_cluster_ft import cluster as clustering
 from ray_cluster_ft.cluster import _vectors, kmeans
-from ray_cluster_ft.cluster import auto_k, cluster_sketches, merge_small_clusters, spherical_kmeans
+from ray_cluster_ft.cluster import auto_k, cluster_sketches, spherical_kmeans
+from ray_cluster_ft.cluster.kmeans import merge_small_clusters
 
 
 def _stage_run(*args, **kwargs):

@@ -4,17 +4,16 @@ Pure functions, no Ray, no I/O; :func:`run` is the stage's edge that writes ``pl
 ``selection.parquet``.
 """
 
-from .metrics import check_plan, microbatch_table, plan_hash, plan_metrics
+from .metrics import check_plan, plan_hash, plan_metrics
 from .plan import PLAN_COLUMNS, PlanResult, make_plan
 from .stage import AllocateOutput, plan_selection, run
 
 __all__ = [
-    "PLAN_COLUMNS",
     "AllocateOutput",
+    "PLAN_COLUMNS",
     "PlanResult",
     "check_plan",
     "make_plan",
-    "microbatch_table",
     "plan_hash",
     "plan_metrics",
     "plan_selection",

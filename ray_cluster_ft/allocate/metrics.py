@@ -42,7 +42,7 @@ def _critical_path_bound(n_tokens: np.ndarray, w: int, b: int, g: int) -> float:
     return float(max(srt.sum() / w, b * srt[:: w * b * g].sum()))
 
 
-def _row_collisions(plan: pd.DataFrame) -> pd.Series:
+def row_collisions(plan: pd.DataFrame) -> pd.Series:
     """Per step: sum over clusters of (ranks holding a row of that cluster in the step - 1)."""
     tri = plan[["step", "rank", "cluster"]].drop_duplicates()
     ranks_per = tri.groupby(["step", "cluster"], sort=True).size()
@@ -112,7 +112,7 @@ def plan_metrics(plan: pd.DataFrame, world_size: int, max_tokens_per_micro_batch
         bound = float(sum(_critical_path_bound(part["n_tokens"].to_numpy(np.int64), w, b, g) for _, part in epochs))
     else:
         bound = _critical_path_bound(plan["n_tokens"].to_numpy(np.int64), w, b, g)
-    row_coll = _row_collisions(plan).reindex(step_max.index, fill_value=0)
+    row_coll = row_collisions(plan).reindex(step_max.index, fill_value=0)
     out = {
         "token_imbalance_mean": float(imb.mean()),
         "token_imbalance_max": float(imb.max()),

@@ -10,8 +10,8 @@ published method's Euclidean k-means with its soft cap; an earlier run's cluster
 """
 
 from .capped import euclidean_kmeans, soft_cap_labels
-from .cluster_map import ClusterMap, cluster_from_map
-from .kmeans import ClusterResult, auto_k, cluster_sketches, merge_small_clusters, spherical_kmeans
+from .cluster_map import ClusterMap
+from .kmeans import ClusterResult, auto_k, cluster_sketches, spherical_kmeans
 from .stage import ClusterOutput, cluster_with_config, load_cluster_map, run
 
 __all__ = [
@@ -19,12 +19,10 @@ __all__ = [
     "ClusterOutput",
     "ClusterResult",
     "auto_k",
-    "cluster_from_map",
     "cluster_sketches",
     "cluster_with_config",
     "euclidean_kmeans",
     "load_cluster_map",
-    "merge_small_clusters",
     "run",
     "soft_cap_labels",
     "spherical_kmeans",

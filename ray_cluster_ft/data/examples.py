@@ -19,7 +19,7 @@ import pyarrow as pa
 from ..config import DataConfig
 from .read import (
     Rejection,
-    _hash_order,
+    hash_order,
     canonicalize,
     example_id,
     is_blank,
@@ -159,7 +159,7 @@ def _held_out(ids: list[str], domains: list[str], fraction: float, cap: int, see
         n = min(len(idx) - 1, int(round(total * len(idx) / len(ids))))
         if n <= 0:
             continue
-        order = _hash_order([ids[i] for i in idx], seed)
+        order = hash_order([ids[i] for i in idx], seed)
         mask[idx[order[:n]]] = True
     return mask
 

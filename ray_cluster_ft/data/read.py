@@ -103,7 +103,9 @@ def _mmlu_row(r: dict) -> dict:
     }
 
 
-def _hash_order(keys: Iterable[str], seed: int) -> np.ndarray:
+def hash_order(keys: Iterable[str], seed: int) -> np.ndarray:
+    """A seeded order of ``keys`` that does not depend on their positions: the argsort (int64 ``(n,)``, stable)
+    of the first 48 bits of ``sha1(f"{seed}:{key}")``, so adding a row moves no other row's place."""
     h = [int(hashlib.sha1(f"{seed}:{k}".encode()).hexdigest()[:12], 16) for k in keys]
     return np.argsort(np.asarray(h, dtype=np.int64), kind="stable")
 
@@ -129,7 +131,7 @@ def iter_demo_rows(limit: int | None = None, seed: int = 0) -> Iterator[tuple[st
         mm = [json.loads(line) for line in fh if line.strip()]
     mm = [_mmlu_row(r) for r in mm if r.get("topic") in MEDICAL_SUBJECTS]
     for name, rows in (("humaneval", he), ("mmlu-medical", mm)):
-        order = _hash_order((r["prompt"] for r in rows), seed)
+        order = hash_order((r["prompt"] for r in rows), seed)
         if limit is not None:
             order = np.sort(order[:limit])
         for pos in order:

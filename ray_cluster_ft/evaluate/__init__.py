@@ -22,44 +22,18 @@ source fields (the tokenized examples keep only ids, tokens and labels):
   continues), is a code problem; the demo's HumanEval rows count as such.
 """
 
-from .codeexec import check_completions, run_program
-from .metrics import (
-    LETTERS,
-    choice_logprobs,
-    generate_completions,
-    heldout_loss,
-    mc_accuracy,
-    pass_at_1,
-)
-from .stage import (
-    EvaluateOutput,
-    Evaluator,
-    evaluate_model_path,
-    evaluate_tasks,
-    ray_evaluator,
-    run,
-    write_samples,
-)
-from .tasks import demo_eval_fields, eval_tasks, humaneval_records, task_from_row
+from .metrics import heldout_loss, mc_accuracy, pass_at_1
+from .stage import EvaluateOutput, Evaluator, evaluate_model_path, ray_evaluator, run
+from .tasks import eval_tasks
 
 __all__ = [
-    "LETTERS",
     "EvaluateOutput",
     "Evaluator",
-    "check_completions",
-    "choice_logprobs",
-    "demo_eval_fields",
-    "humaneval_records",
     "eval_tasks",
     "evaluate_model_path",
-    "evaluate_tasks",
-    "generate_completions",
     "heldout_loss",
     "mc_accuracy",
     "pass_at_1",
     "ray_evaluator",
     "run",
-    "run_program",
-    "task_from_row",
-    "write_samples",
 ]

@@ -105,7 +105,8 @@ def eval_tasks(data_cfg, eval_table: pa.Table, max_mc: int = 64, max_code: int =
     Returns:
         In held-out order: ``{"example_id", "domain", "kind", ...task_from_row fields}`` per task.
     """
-    from ..data import Rejection, canonicalize, example_id, iter_rows
+    from ..data import canonicalize, example_id
+    from ..data.read import Rejection, iter_rows
 
     if eval_table.num_rows == 0 or (max_mc <= 0 and max_code <= 0):
         return []

@@ -14,54 +14,25 @@ The optional warm-up of the sketch model (LESS, Xia et al. 2024) trains, so it l
 :mod:`ray_cluster_ft.pipeline.warmup`.
 """
 
-from .feature_store import FeatureStore, model_fingerprint, row_input_hashes, store_key
-from .inputs import SketchInputs, prepare_sketch_inputs, same_tokenization
-from .last_layer import last_layer_features, normalise_last_layer
-from .projection import Projector, make_projector, select_modules, sketch_batch
-from .reference import exact_sketch, sketch_fidelity, weight_gradients
-from .sketchers import (
-    EMBEDDING_PACKAGE,
-    EmbeddingSketcher,
-    GradientSketcher,
-    LastLayerSketcher,
-    embedding_model_dir,
-    length_batches,
-    make_sketcher,
-)
-from .stage import FeaturesOutput, ShardSketcher, compute_sketches, run, sketch_with_store
-from .store import Shard, plan_shards, read_sketches, sketch_fingerprint
+from .feature_store import FeatureStore
+from .inputs import prepare_sketch_inputs
+from .last_layer import last_layer_features
+from .projection import make_projector, select_modules, sketch_batch
+from .sketchers import make_sketcher
+from .stage import FeaturesOutput, compute_sketches, run, sketch_with_store
+from .store import read_sketches
 
 __all__ = [
-    "EMBEDDING_PACKAGE",
-    "EmbeddingSketcher",
-    "FeaturesOutput",
     "FeatureStore",
-    "GradientSketcher",
-    "LastLayerSketcher",
-    "Projector",
-    "Shard",
-    "ShardSketcher",
-    "SketchInputs",
+    "FeaturesOutput",
     "compute_sketches",
-    "embedding_model_dir",
-    "exact_sketch",
     "last_layer_features",
-    "length_batches",
     "make_projector",
     "make_sketcher",
-    "model_fingerprint",
-    "normalise_last_layer",
-    "plan_shards",
     "prepare_sketch_inputs",
     "read_sketches",
-    "row_input_hashes",
     "run",
-    "same_tokenization",
     "select_modules",
     "sketch_batch",
-    "sketch_fidelity",
-    "sketch_fingerprint",
     "sketch_with_store",
-    "store_key",
-    "weight_gradients",
 ]

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..data import load_messages, tokenize_rows
+from ..data.examples import tokenize_rows
+from ..data.read import load_messages
 from ..model import load_tokenizer, resolve_model_path
 from .sketchers import embedding_model_dir
 

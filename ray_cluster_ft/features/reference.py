@@ -14,14 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.collate import IGNORE_INDEX, collate
-from .projection import (
-    Projector,
-    _check_projector,
-    _finish,
-    _frozen,
-    make_projector,
-    sketch_batch,
-)
+from ._sketch_ops import _check_projector, _finish, _frozen
+from .projection import Projector, make_projector, sketch_batch
 from .sketchers import length_batches
 
 __all__ = [

@@ -20,14 +20,8 @@ from ..config import SketchConfig
 from .inputs import prepare_sketch_inputs
 from .last_layer import normalise_last_layer
 from .sketchers import embedding_model_dir, make_sketcher
-from .store import (
-    _SHARD_COLS,
-    _finished_shards,
-    _to_arrow,
-    _write_atomic,
-    plan_shards,
-    sketch_fingerprint,
-)
+from ._shards import _SHARD_COLS, _finished_shards, _to_arrow, _write_atomic
+from .store import plan_shards, sketch_fingerprint
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
@@ -37,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "ShardSketcher",
     "compute_sketches",
+    "sketch_in_process",
     "sketch_with_store",
     "FeaturesOutput",
     "finish_features",
@@ -418,6 +413,34 @@ def sketch_with_store(table: pa.Table, model_path: str | None, cfg: SketchConfig
                    feature_key_of=desc_summary, store=cfg.store, store_parts_read=parts_read,
                    store_parts_written=len(parts))
     return sk, summary
+
+
+def sketch_in_process(table, model_path: str, sk: SketchConfig, trust: bool, pad_token_id: int) -> dict:
+    """The sketcher called in this process, no Ray and no files: over consecutive chunks of
+    ``8 x sketch.batch_size`` rows, the shards of :func:`compute_sketches` (so the sub-batches and their padding
+    are the same), each sorted by length inside (:func:`ray_cluster_ft.compute_features` without Ray).
+
+    Args:
+        table: the sketch inputs (:func:`compute_sketches`' columns for ``sk.method``).
+        model_path: the model folder to sketch with.
+        sk: the ``sketch`` section.
+        trust: ``trust_remote_code`` for the model loader.
+        pad_token_id: right-padding id of the sketch model's tokenizer.
+
+    Returns:
+        ``{"example_id": object (N,), "sketch": float32 (N, d)}`` in the table's row order.
+    """
+
+    fn = make_sketcher(sk.method, model_path, sk.model_dump(), trust, pad_token_id)
+    step = _SUBBATCHES_PER_RAY_BATCH * sk.batch_size  # a shard of compute_sketches: the same sub-batches
+    ids, out = [], []
+    for lo in range(0, table.num_rows, step):
+        part = table.slice(lo, step)
+        # Ray Data's numpy batch format: ragged list columns as 1-D object arrays of arrays.
+        res = fn({c: part.column(c).to_numpy(zero_copy_only=False) for c in part.column_names})
+        ids.extend(res["example_id"].tolist())
+        out.append(res["sketch"])
+    return {"example_id": np.asarray(ids, dtype=object), "sketch": np.concatenate(out)}
 
 
 def _digest(obj) -> str:

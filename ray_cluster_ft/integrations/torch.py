@@ -46,7 +46,7 @@ from torch.utils.data import Dataset, Sampler
 from ..allocate import check_plan
 from ..data.collate import collate, pack
 from ..train import build_rank_tables
-from ..train.rank_data import label_token_counts
+from ..train.rank_data import MICRO_BATCH_KEY, label_token_counts
 from ..train.step import token_exact_loss
 
 __all__ = [
@@ -61,7 +61,6 @@ __all__ = [
 ]
 
 _NEEDED = ("epoch", "step", "rank", "micro_index", "example_id")
-_KEY = ["epoch", "step", "micro_index"]  # a rank's training order (the plan's sort order below the rank)
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ def _check_rank(rank: int, shape: PlanShape) -> int:
 def _rank_rows(plan: pd.DataFrame, rank: int) -> pd.DataFrame:
     """The rank's rows in training order: the same stable sort as :func:`ray_cluster_ft.train.build_rank_tables`,
     so the in-micro-batch position order of the plan is kept."""
-    return plan[plan["rank"].to_numpy() == rank].sort_values(_KEY, kind="stable")
+    return plan[plan["rank"].to_numpy() == rank].sort_values(MICRO_BATCH_KEY, kind="stable")
 
 
 def _pack_starts(keys: np.ndarray) -> np.ndarray:
@@ -195,7 +194,7 @@ class PlanBatchSampler(Sampler[list[int]]):
             )
         rows = _rank_rows(plan, self.rank)
         pos = index.get_indexer(rows["example_id"].astype(str).to_numpy()).astype(np.int64)
-        keys = rows[_KEY].to_numpy(np.int64)
+        keys = rows[MICRO_BATCH_KEY].to_numpy(np.int64)
         if packed:
             starts = _pack_starts(keys)
             self.positions = np.split(pos, starts[1:])
@@ -283,7 +282,7 @@ def plan_loss_weights(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, ran
     shape = plan_shape(plan, world_size, packed)
     rank = _check_rank(rank, shape)
     t = build_rank_tables(plan, examples, shape.world_size, weights)[rank]
-    keys = np.stack([t.column(c).to_numpy() for c in _KEY], axis=1)
+    keys = np.stack([t.column(c).to_numpy() for c in MICRO_BATCH_KEY], axis=1)
     starts = _pack_starts(keys) if packed else np.arange(0, t.num_rows, shape.micro_batch_size)
     ids = np.split(np.asarray(t.column("example_id").to_pylist(), dtype=object), starts[1:])
     w = np.split(t.column("weight").to_numpy(), starts[1:])

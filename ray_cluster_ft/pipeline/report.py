@@ -46,8 +46,7 @@ def _step_figures(plan: pd.DataFrame, packed: bool = False) -> dict:
     ``plan_metrics``' ``collisions_per_step_rows``), and the scalars ``padding`` (pad / padded tokens) and
     ``critical_path`` (sum over steps of the slowest rank's padded tokens).
     """
-    from ..allocate import microbatch_table
-    from ..allocate.metrics import _row_collisions
+    from ..allocate.metrics import microbatch_table, row_collisions
 
     w = int(plan["rank"].nunique())
     mb = microbatch_table(plan)
@@ -61,7 +60,7 @@ def _step_figures(plan: pd.DataFrame, packed: bool = False) -> dict:
     return {
         "imbalance": imbalance,
         "collisions": collisions,
-        "collisions_rows": _row_collisions(plan).reindex(step_max.index, fill_value=0),
+        "collisions_rows": row_collisions(plan).reindex(step_max.index, fill_value=0),
         "padding": float(1.0 - mb["real"].sum() / mb["padded"].sum()),
         "critical_path": float(step_max.sum()),
     }

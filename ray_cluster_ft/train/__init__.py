@@ -16,34 +16,18 @@ Artifacts written under ``run_dir``:
 - ``final_model/``: the trained model in Hugging Face format plus the tokenizer (``save_model=True``).
 """
 
-from .deepspeed import (
-    build_deepspeed_config,
-    deepspeed_config,
-    lr_multiplier,
-    merge_deepspeed_config,
-    read_deepspeed_json,
-)
+from .deepspeed import build_deepspeed_config
 from .driver import TrainOutput, TrainResult, run, train, verify_trained
-from .loop import FAIL_AT_STEP_ENV
-from .rank_data import PLAN_COLUMNS, TRAINED_COLUMNS, build_rank_tables, plan_hash
-from .step import micro_batch_to_device, train_micro_batch
+from .rank_data import build_rank_tables
+from .step import micro_batch_to_device
 
 __all__ = [
-    "FAIL_AT_STEP_ENV",
-    "PLAN_COLUMNS",
-    "TRAINED_COLUMNS",
     "TrainOutput",
     "TrainResult",
     "build_deepspeed_config",
     "build_rank_tables",
-    "deepspeed_config",
-    "lr_multiplier",
-    "merge_deepspeed_config",
     "micro_batch_to_device",
-    "plan_hash",
-    "read_deepspeed_json",
-    "train",
-    "train_micro_batch",
     "run",
+    "train",
     "verify_trained",
 ]

@@ -44,7 +44,7 @@ def lr_multiplier(step_index: int, warmup_steps: int, total_steps: int) -> float
     return max(0.0, (total_steps - step_index) / max(1, total_steps - warmup_steps))
 
 
-def _make_scheduler(optimizer, warmup_steps: int, total_steps: int):
+def make_scheduler(optimizer, warmup_steps: int, total_steps: int):
     """DeepSpeed client scheduler factory (called with the basic optimizer inside ``deepspeed.initialize``)."""
     import torch
 
@@ -193,7 +193,7 @@ def _deep_merge(base: dict, over: dict, prefix: str = "") -> dict:
     return out
 
 
-def _disable_shm_comm() -> None:
+def disable_shm_comm() -> None:
     """Stop DeepSpeed from JIT-compiling its shared-memory all-reduce op (``deepspeed_shm_comm``) on CPU.
 
     The op only serves inference all-reduce but costs about a minute of C++ compilation at the first

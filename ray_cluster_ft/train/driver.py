@@ -17,7 +17,7 @@ from ..config import TrainConfig
 from .checkpoints import newest_complete_checkpoint, prune_checkpoints
 from .deepspeed import build_deepspeed_config, precision_for
 from .loop import FAIL_AT_STEP_ENV, train_loop_per_worker
-from .rank_data import _KEY, TRAINED_COLUMNS, build_rank_tables, plan_hash
+from .rank_data import MICRO_BATCH_KEY, TRAINED_COLUMNS, build_rank_tables, plan_hash
 
 __all__ = [
     "TrainOutput",
@@ -182,9 +182,9 @@ def _check_trained(run_dir: Path, world: int, plan: pd.DataFrame) -> Path:
     trained = _consolidate_trained(run_dir, world)
     trained_path = run_dir / "trained.parquet"
     trained.to_parquet(trained_path, index=False)
-    expected = plan.sort_values(["rank", *_KEY], kind="stable")
+    expected = plan.sort_values(["rank", *MICRO_BATCH_KEY], kind="stable")
     same = all(
-        np.array_equal(trained[c].to_numpy(), expected[c].to_numpy(np.int64)) for c in ("rank", *_KEY)
+        np.array_equal(trained[c].to_numpy(), expected[c].to_numpy(np.int64)) for c in ("rank", *MICRO_BATCH_KEY)
     ) and np.array_equal(trained["example_id"].to_numpy(), expected["example_id"].astype(str).to_numpy())
     if not same:
         raise RuntimeError(f"the workers did not train the plan: see {trained_path}")

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from ._op_locks import clear_stale_build_locks
-from .deepspeed import _disable_shm_comm, _make_scheduler, resolve_precision
-from .rank_data import _KEY
+from .deepspeed import disable_shm_comm, make_scheduler, resolve_precision
+from .rank_data import MICRO_BATCH_KEY
 from .step import ForwardTimer, collate_micro_batch, to_device, train_micro_batch
 
 __all__ = ["FAIL_AT_STEP_ENV", "train_loop_per_worker"]
@@ -27,7 +27,7 @@ def _check_micro_batch(batch: dict[str, np.ndarray], micro_batch_size: int | Non
     """(epoch, step, micro_index) of a batch that must be exactly one planned micro-batch: ``micro_batch_size``
     rows, or (``None``, a pack) any number of rows of one key."""
     n = len(batch["example_id"])
-    key = tuple(np.unique(batch[c]) for c in _KEY)
+    key = tuple(np.unique(batch[c]) for c in MICRO_BATCH_KEY)
     if (micro_batch_size is not None and n != micro_batch_size) or any(k.size != 1 for k in key):
         size = "any number of" if micro_batch_size is None else str(micro_batch_size)
         raise RuntimeError(
@@ -55,7 +55,7 @@ def _micro_batches(shard, micro_batch_size: int, packed: bool, chunk_rows: int =
     buf = None
     for chunk in shard.iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
         buf = chunk if buf is None else pa.concat_tables([buf, chunk])
-        key = np.stack([buf.column(c).to_numpy() for c in _KEY], axis=1)
+        key = np.stack([buf.column(c).to_numpy() for c in MICRO_BATCH_KEY], axis=1)
         starts = [0, *(np.flatnonzero((key[1:] != key[:-1]).any(axis=1)) + 1).tolist()]
         for a, z in pairwise(starts):
             yield as_numpy(buf.slice(a, z - a))
@@ -238,7 +238,7 @@ def _build_engine(config: dict, cfg: SimpleNamespace):
 
     from ..model import load_local_model
 
-    _disable_shm_comm()
+    disable_shm_comm()
     t0 = time.perf_counter()
     ds, precision = config["ds_config"], config["precision"]
     cuda = cfg.use_gpu and torch.cuda.is_available()
@@ -272,7 +272,7 @@ def _build_engine(config: dict, cfg: SimpleNamespace):
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=ds,
-        lr_scheduler=partial(_make_scheduler, warmup_steps=cfg.warmup_steps, total_steps=config["total_steps"]),
+        lr_scheduler=partial(make_scheduler, warmup_steps=cfg.warmup_steps, total_steps=config["total_steps"]),
     )
     return engine, t_load, time.perf_counter() - t0, precision
 

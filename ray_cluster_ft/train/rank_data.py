@@ -28,7 +28,8 @@ PLAN_COLUMNS = ("epoch", "step", "rank", "micro_index", "example_id")
 TRAINED_COLUMNS = ("rank", "step", "micro_index", "epoch", "example_id")
 
 
-_KEY = ["epoch", "step", "micro_index"]
+MICRO_BATCH_KEY = ["epoch", "step", "micro_index"]
+"""A rank's training order: the plan's sort order below the rank, one micro-batch per distinct key."""
 
 
 def _require_columns(plan: pd.DataFrame, columns: Sequence[str]) -> None:
@@ -154,7 +155,7 @@ def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, wor
         _check_pack_sizes(plan, pc.list_value_length(ex.column("input_ids")).to_numpy()[pos], max_tokens_per_pack)
     n_lab = label_token_counts(ex.column("labels"))[pos]
     step_tokens = pd.Series(w * n_lab).groupby(plan["step"].to_numpy()).transform("sum").to_numpy()
-    order = plan.assign(_pos=pos, _w=w, _d=step_tokens).sort_values(["rank", *_KEY], kind="stable")
+    order = plan.assign(_pos=pos, _w=w, _d=step_tokens).sort_values(["rank", *MICRO_BATCH_KEY], kind="stable")
     tables = []
     for r in range(world_size):
         part = order[order["rank"] == r]

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from ray_cluster_ft.data import IGNORE_INDEX, as_token_rows, collate
+from ray_cluster_ft.data import IGNORE_INDEX, collate
+from ray_cluster_ft.data.collate import as_token_rows
 
 
 def test_right_padding_with_labels():

@@ -6,7 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from ray_cluster_ft.config import DataConfig
-from ray_cluster_ft.data import canonicalize, example_id, iter_demo_rows, load_examples, tokenize_rows
+from ray_cluster_ft.data import canonicalize, example_id, load_examples
+from ray_cluster_ft.data.examples import tokenize_rows
+from ray_cluster_ft.data.read import iter_demo_rows
 
 from ..conftest import shared_data_dir
 

@@ -80,8 +80,9 @@ class _FavourToken(torch.nn.Module):
 @pytest.fixture(scope="module")
 def mmlu_items(demo_tokenizer):
     """Real held-out-style MC items: demo MMLU rows, chat-templated prompts, gold letters from the data."""
-    from ray_cluster_ft.data import canonicalize, iter_demo_rows
-    from ray_cluster_ft.evaluate import demo_eval_fields, task_from_row
+    from ray_cluster_ft.data import canonicalize
+    from ray_cluster_ft.data.read import iter_demo_rows
+    from ray_cluster_ft.evaluate.tasks import demo_eval_fields, task_from_row
 
     items = []
     for _src, _pos, row in iter_demo_rows(limit=24, seed=3):
@@ -112,7 +113,7 @@ def test_mc_model_that_always_picks_a_letter_scores_its_share(mmlu_items, demo_t
 
 
 def test_choice_logprobs_match_one_sequence_at_a_time(tiny):
-    from ray_cluster_ft.evaluate import choice_logprobs
+    from ray_cluster_ft.evaluate.metrics import choice_logprobs
 
     g = torch.Generator().manual_seed(2)
     rnd = lambda n: torch.randint(3, 1000, (n,), generator=g).tolist()  # noqa: E731
@@ -149,7 +150,7 @@ def test_loss_pass_scores_equal_choice_logprobs(tiny):
                       "labels": [r[2] for r in rows], "domain": [r[3] for r in rows]})
     scores = dict(want)
     heldout_loss(tiny, table, batch_size=2, prompt_end_scores=scores)
-    from ray_cluster_ft.evaluate import choice_logprobs
+    from ray_cluster_ft.evaluate.metrics import choice_logprobs
 
     ref = choice_logprobs(tiny, [{"prompt_ids": r[1][: r[2].count(-100)], "choice_ids": [[t] for t in want[r[0]]]}
                                  for r in rows])
@@ -158,7 +159,8 @@ def test_loss_pass_scores_equal_choice_logprobs(tiny):
 
 
 def test_mc_bad_items(tiny, demo_tokenizer):
-    from ray_cluster_ft.evaluate import choice_logprobs, mc_accuracy
+    from ray_cluster_ft.evaluate import mc_accuracy
+    from ray_cluster_ft.evaluate.metrics import choice_logprobs
 
     with pytest.raises(ValueError, match="gold"):
         mc_accuracy(tiny, demo_tokenizer, [{"prompt_ids": [5, 6], "choices": ["A", "B"], "gold": 2}])
@@ -265,7 +267,7 @@ def _responses(table, tok):
 
 
 def test_greedy_generation_batched_equals_one_at_a_time(tiny, demo_tokenizer):
-    from ray_cluster_ft.evaluate import generate_completions
+    from ray_cluster_ft.evaluate.metrics import generate_completions
 
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 4, 13)]

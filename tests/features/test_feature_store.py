@@ -172,7 +172,7 @@ def test_an_object_store_gets_one_put_per_part():
 
 
 def test_a_job_computes_only_the_rows_the_store_lacks(tiny_dir, tmp_path, ray_cpu):
-    from ray_cluster_ft.features import GradientSketcher
+    from ray_cluster_ft.features.sketchers import GradientSketcher
 
     store = str(tmp_path / "store")
     cfg = CFG.model_copy(update={"store": store})

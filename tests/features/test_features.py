@@ -11,15 +11,9 @@ import torch
 
 from ray_cluster_ft.config import SketchConfig
 from ray_cluster_ft.data import IGNORE_INDEX
-from ray_cluster_ft.features import (
-    GradientSketcher,
-    compute_sketches,
-    exact_sketch,
-    make_projector,
-    read_sketches,
-    select_modules,
-    sketch_batch,
-)
+from ray_cluster_ft.features import compute_sketches, make_projector, read_sketches, select_modules, sketch_batch
+from ray_cluster_ft.features.reference import exact_sketch
+from ray_cluster_ft.features.sketchers import GradientSketcher
 from ray_cluster_ft.model import load_model, make_tiny_model
 from tests.conftest import local_ray_kwargs
 
@@ -313,7 +307,7 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
     np.testing.assert_allclose(got["sketch"], direct["sketch"][order], atol=1e-5)
     np.testing.assert_allclose(got["loss"], direct["loss"][order], rtol=1e-5)
     assert got["n_tokens"].dtype == np.int32 and list(got["n_tokens"]) == list(np.asarray(lengths)[order])
-    from ray_cluster_ft.features import EmbeddingSketcher
+    from ray_cluster_ft.features.sketchers import EmbeddingSketcher
 
     assert list(emb["example_id"]) == ["t0", "t1", "t2"] and emb["sketch"].shape == (3, 384)
     assert np.isnan(emb["loss"]).all() and list(emb["n_tokens"]) == [3, 4, 1]
@@ -322,8 +316,8 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
 
 
 def test_shards_are_keyed_by_inputs_and_settings(tiny_dir, tmp_path):
-    from ray_cluster_ft.features import plan_shards, sketch_fingerprint
-    from ray_cluster_ft.features.store import _finished_shards
+    from ray_cluster_ft.features.store import plan_shards, sketch_fingerprint
+    from ray_cluster_ft.features._shards import _finished_shards
 
     rows, labels = _examples([5, 6, 7, 8, 9], [1, 1, 1, 1, 1])
     t = _examples_table(rows, labels, list("abcde"))
@@ -356,7 +350,7 @@ def test_shards_are_keyed_by_inputs_and_settings(tiny_dir, tmp_path):
 
 
 def test_length_batches():
-    from ray_cluster_ft.features import length_batches
+    from ray_cluster_ft.features.sketchers import length_batches
 
     lengths = [30, 5, 12, 5, 40, 7, 100]
     got = length_batches(lengths, 3)
@@ -453,7 +447,7 @@ def test_sketcher_dtype_and_token_cap(tiny_dir):
 
 
 def test_embedding_sketcher_minilm():
-    from ray_cluster_ft.features import EmbeddingSketcher, embedding_model_dir
+    from ray_cluster_ft.features.sketchers import EmbeddingSketcher, embedding_model_dir
 
     try:
         embedding_model_dir()
@@ -495,13 +489,10 @@ def _write_rows(path, n):
 
 def test_prepare_sketch_inputs_proxy_retokenises_and_embedding_text(tiny_dir, tmp_path):
     from ray_cluster_ft.config import parse_config
-    from ray_cluster_ft.data import (
-        canonicalize,
-        example_id,
-        load_examples,
-        tokenize_rows,
-    )
-    from ray_cluster_ft.features import embedding_model_dir, prepare_sketch_inputs
+    from ray_cluster_ft.data import canonicalize, example_id, load_examples
+    from ray_cluster_ft.data.examples import tokenize_rows
+    from ray_cluster_ft.features import prepare_sketch_inputs
+    from ray_cluster_ft.features.sketchers import embedding_model_dir
     from ray_cluster_ft.model import load_tokenizer
 
     raw = _write_rows(tmp_path / "rows.jsonl", 6)

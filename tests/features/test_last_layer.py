@@ -128,7 +128,7 @@ def test_stage_run_normalises_the_raw_shards_on_the_driver(tmp_path, monkeypatch
     import pyarrow as pa
 
     from ray_cluster_ft.features import stage
-    from ray_cluster_ft.features.store import _to_arrow, _write_atomic
+    from ray_cluster_ft.features._shards import _to_arrow, _write_atomic
 
     raw = np.array([[3.0, 4.0], [1.0, 0.0], [-1.0, 2.0]], dtype=np.float32)
     ids = ["b", "c", "a"]  # the shard is read back sorted by id; run must restore the candidate order

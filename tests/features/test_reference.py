@@ -30,7 +30,8 @@ def real_examples(n: int, max_seq_len: int, tokenizer) -> list[tuple[np.ndarray,
 
 @pytest.mark.skipif(shared_data_dir() is None, reason="the shared data folder is absent")
 def test_sketch_cosines_track_full_gradient_cosines_and_improve_with_dim(demo_tokenizer):
-    from ray_cluster_ft.features import select_modules, sketch_fidelity
+    from ray_cluster_ft.features import select_modules
+    from ray_cluster_ft.features.reference import sketch_fidelity
     from ray_cluster_ft.model import load_model
 
     torch.set_num_threads(1)

@@ -43,7 +43,7 @@ def test_checkpoints_are_written_in_place_once(ray_cpu, tiny_model_dir, tmp_path
         return
     # the step-1 checkpoint was replaced by the final one; the final one is where the workers wrote it
     assert left == [checkpoint_dir_name(2)] and res.checkpoint_path == str(storage / checkpoint_dir_name(2))
-    from ray_cluster_ft.train import plan_hash
+    from ray_cluster_ft.train.rank_data import plan_hash
 
     done, why = checkpoint_problem(storage / left[0], 2, plan_hash(plan))
     assert why is None and done == 2

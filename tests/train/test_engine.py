@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ray_cluster_ft.config import ConfigError, TrainConfig, parse_config
-from ray_cluster_ft.train import deepspeed_config
+from ray_cluster_ft.train.deepspeed import deepspeed_config
 from ray_cluster_ft.train.deepspeed import precision_for, resolve_precision
 from tests.conftest import free_port
 

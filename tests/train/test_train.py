@@ -13,16 +13,9 @@ import pytest
 
 from ray_cluster_ft.config import TrainConfig
 from ray_cluster_ft.allocate import check_plan
-from ray_cluster_ft.train.deepspeed import _disable_shm_comm
-from ray_cluster_ft.train import (
-    build_deepspeed_config,
-
-    build_rank_tables,
-    deepspeed_config,
-    lr_multiplier,
-    merge_deepspeed_config,
-    train,
-)
+from ray_cluster_ft.train.deepspeed import disable_shm_comm
+from ray_cluster_ft.train import build_deepspeed_config, build_rank_tables, train
+from ray_cluster_ft.train.deepspeed import deepspeed_config, lr_multiplier, merge_deepspeed_config
 
 VOCAB = 49152
 
@@ -137,7 +130,7 @@ def test_train_config_errors(tmp_path):
 
 
 def test_plan_hash_tracks_training_order():
-    from ray_cluster_ft.train import plan_hash
+    from ray_cluster_ft.train.rank_data import plan_hash
 
     plan = make_plan([f"ex{i:03d}" for i in range(16)], world=2, mbs=2, ga=1, epochs=1)
     h = plan_hash(plan)
@@ -162,7 +155,7 @@ def test_disable_shm_comm_sets_flag_and_skips_build():
     from deepspeed.accelerator import get_accelerator
     from deepspeed.comm.torch import build_shm_op
 
-    _disable_shm_comm()
+    disable_shm_comm()
     assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
     if get_accelerator().device_name() == "cpu":
         assert build_shm_op() is None  # would otherwise JIT-compile (about a minute)

@@ -1,0 +1,67 @@
+"""The shard files' own bookkeeping, shared by the store's reader and the stage's writers: the Arrow layout of a
+sketch shard, the hidden columns that route rows to their shard, atomic writes and the check of finished
+shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .store import Shard
+
+
+def _to_arrow(batch: dict[str, np.ndarray]):
+    """Numpy sketch batch -> Arrow table whose ``sketch`` is a plain ``fixed_size_list<float32>[dim]``
+    (readable by any Parquet reader, no Ray extension type)."""
+    import pyarrow as pa
+
+    sk = np.ascontiguousarray(batch["sketch"], dtype=np.float32)
+    return pa.table(
+        {
+            "example_id": pa.array(np.asarray(batch["example_id"]).astype(str), type=pa.string()),
+            "sketch": pa.FixedSizeListArray.from_arrays(pa.array(sk.reshape(-1)), sk.shape[1]),
+            "loss": pa.array(np.asarray(batch["loss"], dtype=np.float32)),
+            "n_tokens": pa.array(np.asarray(batch["n_tokens"], dtype=np.int32)),
+        }
+    )
+
+
+_SHARD_COLS = ("_shard", "_shard_file", "_shard_rows")
+"""The hidden columns that route each row to its shard through the actor pool."""
+
+
+def _finished_shards(out_dir: Path, shards: Sequence["Shard"]) -> set[str]:
+    """Files of ``shards`` already complete in ``out_dir``; every other Parquet or temporary file there (a
+    shard of another config or input, a half-written file, output of an older layout) is deleted."""
+    import pyarrow.parquet as pq
+
+    want = {s.file: s.stop - s.start for s in shards}
+    done = set()
+    for f in out_dir.iterdir():
+        if f.is_file() and f.name in want:
+            try:
+                ok = pq.read_metadata(f).num_rows == want[f.name]
+            except Exception:  # noqa: BLE001 - an unreadable file is redone, whatever pyarrow raises
+                ok = False
+            if ok:
+                done.add(f.name)
+                continue
+        if f.is_file() and (f.suffix == ".parquet" or f.name.endswith(".tmp")):
+            f.unlink()
+    return done
+
+
+def _write_atomic(table, path: Path) -> None:
+    """Write Parquet to a hidden temporary name and rename it into place: a reader (or a resumed run) sees
+    the whole file or none of it. Hidden names (a leading dot) are skipped by pyarrow's dataset reader."""
+    import os
+    import uuid
+
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
