@@ -314,8 +314,6 @@ def _packed_plan(ids, cl, nt, w: int, g: int, epochs: int, strategy: str, seed: 
     return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(n))
 
 
-# Long for its docstring (about 55 lines: every strategy and rule); the body is the three strategies' dispatch
-# over helpers in _slots.py.
 def make_plan(
     example_ids,
     clusters,
@@ -398,6 +396,20 @@ def make_plan(
             with packing: an example longer than ``max_tokens_per_micro_batch`` (named), ``length``, ``N < W * G``;
             ``max_tokens_per_micro_batch`` without packing.
     """
+    w, b, g, n_epochs = _check_plan_args(world_size, micro_batch_size, grad_accum, epochs, strategy, seed,
+                                         pad_tolerance)
+    ids, cl, nt = _validate(example_ids, clusters, n_tokens)
+    if packing:
+        return _packed_plan(ids, cl, nt, w, g, n_epochs, strategy, seed, float(pad_tolerance),
+                            max_tokens_per_micro_batch)
+    if max_tokens_per_micro_batch is not None:
+        raise ValueError("max_tokens_per_micro_batch sizes packs: it needs packing=True")
+    return _padded_plan(ids, cl, nt, w, b, g, n_epochs, strategy, seed, float(pad_tolerance))
+
+
+def _check_plan_args(world_size, micro_batch_size, grad_accum, epochs, strategy, seed, pad_tolerance) -> tuple:
+    """``(W, B, G, epochs)`` as positive ints; ValueError for those, an unknown strategy, a negative seed or a
+    ``pad_tolerance`` outside [0, 1]."""
     w = _positive("world_size", world_size)
     b = _positive("micro_batch_size", micro_batch_size)
     g = _positive("grad_accum", grad_accum)
@@ -408,13 +420,13 @@ def make_plan(
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if not 0.0 <= float(pad_tolerance) <= 1.0:
         raise ValueError(f"pad_tolerance must be in [0, 1], got {pad_tolerance!r}")
-    ids, cl, nt = _validate(example_ids, clusters, n_tokens)
+    return w, b, g, n_epochs
+
+
+def _padded_plan(ids, cl, nt, w: int, b: int, g: int, n_epochs: int, strategy: str, seed: int,
+                 pad_tolerance: float) -> PlanResult:
+    """:func:`make_plan` without packing: micro-batches of ``B`` rows, the rows beyond whole steps dropped."""
     n = ids.size
-    if packing:
-        return _packed_plan(ids, cl, nt, w, g, n_epochs, strategy, seed, float(pad_tolerance),
-                            max_tokens_per_micro_batch)
-    if max_tokens_per_micro_batch is not None:
-        raise ValueError("max_tokens_per_micro_batch sizes packs: it needs packing=True")
     unit = w * b * g
     if n < unit:
         raise ValueError(
@@ -428,7 +440,7 @@ def make_plan(
         drop = np.sort(_rng(seed, _TAG_DROP).choice(n, size=n_drop, replace=False)).astype(np.int64)
         mb_rows, sched = _sampler_epochs(nt, np.setdiff1d(np.arange(n), drop), w, b, g, n_epochs, strategy, seed)
     else:
-        mb_rows, sched, drop = _cluster_epochs(cl, nt, w, b, g, n_epochs, n_drop, seed, float(pad_tolerance))
+        mb_rows, sched, drop = _cluster_epochs(cl, nt, w, b, g, n_epochs, n_drop, seed, pad_tolerance)
     plan = _rows_frame(sched, mb_rows, ids, cl, nt, sched.shape[1])  # sched: (epochs, steps, G, W)
     return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=n)
 

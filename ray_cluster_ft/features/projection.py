@@ -223,9 +223,137 @@ def make_projector(
     )
 
 
-# Long by design (about 110 lines of code under a 40-line docstring): the forward hooks, the tensor hooks and
-# the backward share per-call state (projected inputs, blocks, leaves); split apart, that state would have to
-# travel through a dozen arguments on the hot path.
+class _Blocks:
+    """The per-call state of :func:`sketch_batch` that its forward hooks, tensor hooks and backward share: each
+    module's projected inputs ``P_in x`` (until its block is made), its block, whether it ran, and the outputs
+    that start autograd's record (the leaves)."""
+
+    def __init__(self, projector: Projector, device_type: str, maskf: torch.Tensor | None):
+        n = len(projector.names)
+        self.projector, self.device_type, self.maskf = projector, device_type, maskf
+        self.xs: list[torch.Tensor | None] = [None] * n
+        self.blocks: list[torch.Tensor | None] = [None] * n
+        self.ran = [False] * n
+        self.leaves: list[tuple[int, torch.Tensor]] = []
+
+    def project(self, i: int, delta: torch.Tensor) -> None:
+        # Called from inside the backward for every non-leaf output: each delta (B, T, out) is reduced to its
+        # (B, k_out * k_in) block as soon as autograd has it and is then freed, instead of all modules'
+        # deltas being held until autograd.grad returns.
+        with torch.no_grad(), _no_autocast(self.device_type):
+            d_p = delta.to(self.projector.dtype) @ self.projector.p_out[i].T  # (B, T, k_out)
+            if self.maskf is not None:
+                d_p = d_p * self.maskf
+            self.blocks[i] = torch.einsum("btk,btj->bkj", d_p, self.xs[i]).flatten(1)
+        self.xs[i] = None
+
+    def hook_for(self, i: int):
+        """The forward hook of module ``i``: keeps ``P_in x`` (padding masked) and hooks the output's gradient."""
+        p_in, pdtype, maskf = self.projector.p_in[i], self.projector.dtype, self.maskf
+
+        def hook(mod: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if self.ran[i]:
+                raise ValueError(f"sketch_batch: module {self.projector.names[i]} ran twice in one forward")
+            self.ran[i] = True
+            with torch.no_grad(), _no_autocast(self.device_type):
+                x_p = args[0].detach().to(pdtype) @ p_in.T  # (B, T, k_in)
+                self.xs[i] = x_p * maskf if maskf is not None else x_p
+            if output.requires_grad:
+                output.register_hook(lambda g: self.project(i, g))
+            else:
+                # A leaf: autograd records from the first sketched modules on, nothing below them. The
+                # backward is asked for the leaves' gradients only; every other sketched output lies on a
+                # path from the loss to a leaf, so its tensor hook fires on the way.
+                output.requires_grad_(True)
+                self.leaves.append((i, output))
+
+        return hook
+
+    def concatenated(self, batch: int, device: torch.device) -> torch.Tensor:
+        """All modules' blocks side by side ``(B, raw_dim)``; a module whose output does not reach the loss has
+        a zero gradient, so a zero block."""
+        zero = None
+        for i, b in enumerate(self.blocks):
+            if b is None:
+                zero = zero if zero is not None else torch.zeros(
+                    batch, self.projector.k_out * self.projector.k_in, dtype=self.projector.dtype, device=device)
+                self.blocks[i] = zero
+        return torch.cat(self.blocks, dim=1)
+
+
+def _checked_targets(modules, projector: Projector, input_ids, attention_mask, labels, check_inputs: bool) -> tuple:
+    """``(mask bool (B, T), target (B, T-1), valid bool (B, T-1), n_valid (B,))`` of a batch: position t predicts
+    ``labels[t + 1]`` where both are real tokens. ValueError for shapes that disagree, a projector that does not
+    fit the modules, and (``check_inputs``) a labelled pad or a row with nothing to predict."""
+    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape or input_ids.shape != labels.shape:
+        raise ValueError(
+            f"sketch_batch: input_ids {tuple(input_ids.shape)}, attention_mask {tuple(attention_mask.shape)} and "
+            f"labels {tuple(labels.shape)} must be the same (B, T)"
+        )
+    _check_projector(modules, projector)
+    mask = attention_mask.to(torch.bool)
+    if check_inputs and (labels[~mask] != IGNORE_INDEX).any():
+        raise ValueError("sketch_batch: a padding token (attention_mask 0) has a label other than -100")
+    target = labels[:, 1:]
+    # Position t predicts labels[t+1]; under left padding the first real token's label would be
+    # "predicted" from a pad position, which an unpadded run never does: only real positions count.
+    valid = (target != IGNORE_INDEX) & mask[:, :-1]
+    n_valid = valid.sum(dim=1)
+    if check_inputs and (n_valid == 0).any():
+        bad = torch.nonzero(n_valid == 0).flatten().tolist()
+        raise ValueError(f"sketch_batch: rows {bad} have no response token after the label shift (nothing to sketch)")
+    return mask, target, valid, n_valid
+
+
+def _backward_into(state: _Blocks, model: nn.Module, modules, input_ids, attention_mask, target, valid,
+                   n_valid) -> torch.Tensor:
+    """One hooked forward and one activation-only backward, filling ``state``'s blocks; returns the per-example
+    losses ``(B,)`` (each example's token mean)."""
+    # Only the positions that carry a loss need logits: the head (often a large share of the FLOPs for a
+    # 50k vocabulary) then runs on those rows only. Used when the head is a plain Linear not being sketched.
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_trick = isinstance(head, nn.Linear) and all(m is not head for _, m in modules)
+    sel = valid.nonzero(as_tuple=True)  # (rows, positions) with a loss, row-major
+
+    def head_pre_hook(mod: nn.Module, args: tuple) -> tuple:
+        return (args[0][:, :-1][sel],) + tuple(args[1:])
+
+    position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
+    handles = [m.register_forward_hook(state.hook_for(i)) for i, (_, m) in enumerate(modules)]
+    if head_trick:
+        handles.append(head.register_forward_pre_hook(head_pre_hook))
+    names = state.projector.names
+    try:
+        with _frozen(model), torch.enable_grad():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            if head_trick:
+                if logits.ndim != 2 or logits.shape[0] != sel[0].numel():
+                    raise ValueError(f"sketch_batch: unexpected head output shape {tuple(logits.shape)}")
+            else:
+                logits = logits[:, :-1][sel]
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()
+            ce = F.cross_entropy(logits, target[sel], reduction="none")
+            losses = torch.zeros(len(input_ids), dtype=ce.dtype, device=ce.device).index_add_(0, sel[0], ce)
+            losses = losses / n_valid.to(ce.dtype)
+            missing = [names[i] for i in range(len(names)) if not state.ran[i]]
+            if missing:
+                raise ValueError(f"sketch_batch: modules {missing} did not run in the forward pass")
+            if not state.leaves:
+                raise RuntimeError("sketch_batch: the first sketched module's input already requires grad; "
+                                   "sketching needs every parameter and the input embeddings frozen")
+            grads = torch.autograd.grad(losses.sum(), [y for _, y in state.leaves], allow_unused=True)
+            for (i, _), g in zip(state.leaves, grads):
+                if g is not None:
+                    state.project(i, g)
+            del grads, out, logits
+    finally:
+        for h in handles:
+            h.remove()
+    return losses
+
+
 def sketch_batch(
     model: nn.Module, modules: Sequence[tuple[str, nn.Linear]], projector: Projector, input_ids: torch.Tensor,
     attention_mask: torch.Tensor, labels: torch.Tensor, normalize: bool = True, check_inputs: bool = True,
@@ -261,114 +389,13 @@ def sketch_batch(
         ValueError: shapes disagree, a padding token carries a label, an example has no response token
             after the shift, or the projector does not fit the modules.
     """
-    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape or input_ids.shape != labels.shape:
-        raise ValueError(
-            f"sketch_batch: input_ids {tuple(input_ids.shape)}, attention_mask {tuple(attention_mask.shape)} and "
-            f"labels {tuple(labels.shape)} must be the same (B, T)"
-        )
-    _check_projector(modules, projector)
-    mask = attention_mask.to(torch.bool)
-    if check_inputs and (labels[~mask] != IGNORE_INDEX).any():
-        raise ValueError("sketch_batch: a padding token (attention_mask 0) has a label other than -100")
-    target = labels[:, 1:]
-    # Position t predicts labels[t+1]; under left padding the first real token's label would be
-    # "predicted" from a pad position, which an unpadded run never does: only real positions count.
-    valid = (target != IGNORE_INDEX) & mask[:, :-1]
-    n_valid = valid.sum(dim=1)
-    if check_inputs and (n_valid == 0).any():
-        bad = torch.nonzero(n_valid == 0).flatten().tolist()
-        raise ValueError(f"sketch_batch: rows {bad} have no response token after the label shift (nothing to sketch)")
-
+    mask, target, valid, n_valid = _checked_targets(modules, projector, input_ids, attention_mask, labels,
+                                                    check_inputs)
     device_type = input_ids.device.type
-    pdtype = projector.dtype
     # Only padding needs the mask; unchecked (GPU) it is applied unasked: x * 1 is exact, a sync is not free.
-    maskf = None if check_inputs and bool(mask.all()) else mask.to(pdtype).unsqueeze(-1)
-    n_mod = len(modules)
-    xs: list[torch.Tensor | None] = [None] * n_mod
-    blocks: list[torch.Tensor | None] = [None] * n_mod
-    ran = [False] * n_mod
-    leaves: list[tuple[int, torch.Tensor]] = []
-
-    def project(i: int, delta: torch.Tensor) -> None:
-        # Called from inside the backward for every non-leaf output: each delta (B, T, out) is reduced to its
-        # (B, k_out * k_in) block as soon as autograd has it and is then freed, instead of all modules'
-        # deltas being held until autograd.grad returns.
-        with torch.no_grad(), _no_autocast(device_type):
-            d_p = delta.to(pdtype) @ projector.p_out[i].T  # (B, T, k_out)
-            if maskf is not None:
-                d_p = d_p * maskf
-            blocks[i] = torch.einsum("btk,btj->bkj", d_p, xs[i]).flatten(1)
-        xs[i] = None
-
-    def hook_for(i: int):
-        p_in = projector.p_in[i]
-
-        def hook(mod: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            if ran[i]:
-                raise ValueError(f"sketch_batch: module {projector.names[i]} ran twice in one forward")
-            ran[i] = True
-            with torch.no_grad(), _no_autocast(device_type):
-                x_p = args[0].detach().to(pdtype) @ p_in.T  # (B, T, k_in)
-                xs[i] = x_p * maskf if maskf is not None else x_p
-            if output.requires_grad:
-                output.register_hook(lambda g: project(i, g))
-            else:
-                # A leaf: autograd records from the first sketched modules on, nothing below them. The
-                # backward is asked for the leaves' gradients only; every other sketched output lies on a
-                # path from the loss to a leaf, so its tensor hook fires on the way.
-                output.requires_grad_(True)
-                leaves.append((i, output))
-
-        return hook
-
-    # Only the positions that carry a loss need logits: the head (often a large share of the FLOPs for a
-    # 50k vocabulary) then runs on those rows only. Used when the head is a plain Linear not being sketched.
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_trick = isinstance(head, nn.Linear) and all(m is not head for _, m in modules)
-    sel = valid.nonzero(as_tuple=True)  # (rows, positions) with a loss, row-major
-
-    def head_pre_hook(mod: nn.Module, args: tuple) -> tuple:
-        return (args[0][:, :-1][sel],) + tuple(args[1:])
-
-    position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
-    handles = [m.register_forward_hook(hook_for(i)) for i, (_, m) in enumerate(modules)]
-    if head_trick:
-        handles.append(head.register_forward_pre_hook(head_pre_hook))
-    try:
-        with _frozen(model), torch.enable_grad():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-            logits = out.logits if hasattr(out, "logits") else out[0]
-            if head_trick:
-                if logits.ndim != 2 or logits.shape[0] != sel[0].numel():
-                    raise ValueError(f"sketch_batch: unexpected head output shape {tuple(logits.shape)}")
-            else:
-                logits = logits[:, :-1][sel]
-            if logits.dtype in (torch.float16, torch.bfloat16):
-                logits = logits.float()
-            ce = F.cross_entropy(logits, target[sel], reduction="none")
-            losses = torch.zeros(len(input_ids), dtype=ce.dtype, device=ce.device).index_add_(0, sel[0], ce)
-            losses = losses / n_valid.to(ce.dtype)
-            missing = [projector.names[i] for i in range(n_mod) if not ran[i]]
-            if missing:
-                raise ValueError(f"sketch_batch: modules {missing} did not run in the forward pass")
-            if not leaves:
-                raise RuntimeError("sketch_batch: the first sketched module's input already requires grad; "
-                                   "sketching needs every parameter and the input embeddings frozen")
-            grads = torch.autograd.grad(losses.sum(), [y for _, y in leaves], allow_unused=True)
-            for (i, _), g in zip(leaves, grads):
-                if g is not None:
-                    project(i, g)
-            del grads, out, logits
-    finally:
-        for h in handles:
-            h.remove()
-
+    maskf = None if check_inputs and bool(mask.all()) else mask.to(projector.dtype).unsqueeze(-1)
+    state = _Blocks(projector, device_type, maskf)
+    losses = _backward_into(state, model, modules, input_ids, attention_mask, target, valid, n_valid)
     with torch.no_grad(), _no_autocast(device_type):
-        zero = None
-        for i in range(n_mod):
-            if blocks[i] is None:  # output does not reach the loss: zero gradient
-                zero = zero if zero is not None else torch.zeros(
-                    len(input_ids), projector.k_out * projector.k_in, dtype=pdtype, device=input_ids.device)
-                blocks[i] = zero
-        sketches = _finish(torch.cat(blocks, dim=1), projector, normalize)
+        sketches = _finish(state.concatenated(len(input_ids), input_ids.device), projector, normalize)
     return sketches, losses.detach().float()

@@ -192,7 +192,6 @@ def _input_columns(method: str) -> list[str]:
     return ["example_id", "input_ids", "labels", "n_tokens"]
 
 
-# Long for its docstring (about 45 lines); the body is the shard bookkeeping and one Ray Data call.
 def compute_sketches(
     examples: "pa.Table | ray.data.Dataset",
     model_path: str | None,
@@ -255,29 +254,14 @@ def compute_sketches(
     """
     import time
 
-    import pyarrow as pa
-
     t0 = time.perf_counter()
-    need = _input_columns(cfg.method)
-    if not isinstance(examples, pa.Table):
-        import ray
-
-        examples = pa.concat_tables(ray.get(examples.select_columns(
-            [c for c in need if c in examples.columns()]).to_arrow_refs()))
-    missing = [c for c in need if c not in examples.column_names]
-    if missing:
-        raise ValueError(f"compute_sketches: examples lack columns {missing} (method {cfg.method!r})")
-    table = examples.select(need)
-    ids = table.column("example_id").to_pylist()
-    if len(set(ids)) != len(ids):
-        dup = sorted({i for i in ids if ids.count(i) > 1})[:3] if len(ids) < 10_000 else "(several)"
-        raise ValueError(f"compute_sketches: example ids must be unique; repeated: {dup}")
+    table = _sketch_table(examples, cfg.method)
     if model_path is None and cfg.method == "embedding":
         model_path = embedding_model_dir()
     if model_path is None:
         raise ValueError("compute_sketches: method 'gradient' needs a model_path")
     rows = shard_rows if shard_rows is not None else _default_shard_rows(table.num_rows, cfg, use_gpu, gpu_actors)
-    shards = plan_shards(table, rows, sketch_fingerprint(cfg, model_path, use_gpu), need[1:-1])
+    shards = plan_shards(table, rows, sketch_fingerprint(cfg, model_path, use_gpu), _input_columns(cfg.method)[1:-1])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     done = _finished_shards(out, shards)
@@ -286,40 +270,8 @@ def compute_sketches(
     if pending and not use_gpu and n_pending <= in_process_rows:
         _sketch_here(table, pending, cfg, model_path, out, trust_remote_code, pad_token_id, fail_on_shard)
     elif pending:
-        import ray
-        import ray.data
-
-        n_actors, cpus_per_actor = _actor_resources(cfg, use_gpu, gpu_actors)
-        blocks = []
-        for s in pending:
-            t = table.slice(s.start, s.stop - s.start)
-            n = t.num_rows
-            blocks.append(t.append_column("_shard", pa.array(np.full(n, s.index, dtype=np.int32)))
-                          .append_column("_shard_file", pa.array([s.file] * n, type=pa.string()))
-                          .append_column("_shard_rows", pa.array(np.full(n, n, dtype=np.int32))))
-        # One block a shard, and batch_size=None hands an actor one whole block: a shard is sketched and
-        # written by one actor call, and the pool's actors share the shards.
-        summary = ray.data.from_arrow(blocks).map_batches(
-            ShardSketcher,
-            fn_constructor_kwargs={
-                "method": cfg.method,
-                "model_path": model_path,
-                "sketch": cfg.model_dump(),
-                "out_dir": str(out.resolve()),
-                "trust_remote_code": trust_remote_code,
-                "pad_token_id": pad_token_id,
-                "fail_on_shard": fail_on_shard,
-            },
-            batch_size=None,
-            batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=min(n_actors, len(pending))),
-            num_gpus=1 if use_gpu else 0,
-            num_cpus=cpus_per_actor,
-        ).take_all()
-        written = sorted(int(r["shard"]) for r in summary)
-        if written != sorted(s.index for s in pending):
-            raise RuntimeError(f"compute_sketches: actors reported shards {written[:5]}..., expected "
-                               f"{[s.index for s in pending][:5]}...")
+        _sketch_on_pool(table, pending, cfg, model_path, out, use_gpu, gpu_actors, {
+            "trust_remote_code": trust_remote_code, "pad_token_id": pad_token_id, "fail_on_shard": fail_on_shard})
     lost = [s.file for s in shards if not (out / s.file).is_file()]
     if lost:
         raise RuntimeError(f"compute_sketches: {len(lost)} shard files missing after the run, e.g. {lost[:2]}")
@@ -332,6 +284,70 @@ def compute_sketches(
         "examples": table.num_rows,
         "seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+def _sketch_table(examples, method: str):
+    """The columns ``method`` reads (:func:`_input_columns`) of ``examples`` (a ``pyarrow.Table``, or a Ray
+    Dataset materialised here in block order); ValueError for a missing column or a repeated example id."""
+    import pyarrow as pa
+
+    need = _input_columns(method)
+    if not isinstance(examples, pa.Table):
+        import ray
+
+        examples = pa.concat_tables(ray.get(examples.select_columns(
+            [c for c in need if c in examples.columns()]).to_arrow_refs()))
+    missing = [c for c in need if c not in examples.column_names]
+    if missing:
+        raise ValueError(f"compute_sketches: examples lack columns {missing} (method {method!r})")
+    table = examples.select(need)
+    ids = table.column("example_id").to_pylist()
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})[:3] if len(ids) < 10_000 else "(several)"
+        raise ValueError(f"compute_sketches: example ids must be unique; repeated: {dup}")
+    return table
+
+
+def _sketch_on_pool(table, pending, cfg: SketchConfig, model_path: str, out: Path, use_gpu: bool,
+                    gpu_actors: int | None, actor_kwargs: dict) -> None:
+    """The pending shards sketched by a pool of :class:`ShardSketcher` actors (Ray Data), each shard one block,
+    one actor call and one file; RuntimeError when the actors report other shards than were pending.
+    ``actor_kwargs``: ``trust_remote_code``, ``pad_token_id``, ``fail_on_shard``."""
+    import pyarrow as pa
+    import ray
+    import ray.data
+
+    n_actors, cpus_per_actor = _actor_resources(cfg, use_gpu, gpu_actors)
+    blocks = []
+    for s in pending:
+        t = table.slice(s.start, s.stop - s.start)
+        n = t.num_rows
+        blocks.append(t.append_column("_shard", pa.array(np.full(n, s.index, dtype=np.int32)))
+                      .append_column("_shard_file", pa.array([s.file] * n, type=pa.string()))
+                      .append_column("_shard_rows", pa.array(np.full(n, n, dtype=np.int32))))
+    # One block a shard, and batch_size=None hands an actor one whole block: a shard is sketched and
+    # written by one actor call, and the pool's actors share the shards.
+    summary = ray.data.from_arrow(blocks).map_batches(
+        ShardSketcher,
+        fn_constructor_kwargs={
+            "method": cfg.method,
+            "model_path": model_path,
+            "sketch": cfg.model_dump(),
+            "out_dir": str(out.resolve()),
+            "trust_remote_code": actor_kwargs["trust_remote_code"],
+            "pad_token_id": actor_kwargs["pad_token_id"],
+            "fail_on_shard": actor_kwargs["fail_on_shard"],
+        },
+        batch_size=None,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=min(n_actors, len(pending))),
+        num_gpus=1 if use_gpu else 0,
+        num_cpus=cpus_per_actor,
+    ).take_all()
+    written = sorted(int(r["shard"]) for r in summary)
+    if written != sorted(s.index for s in pending):
+        raise RuntimeError(f"compute_sketches: actors reported shards {written[:5]}..., expected "
+                           f"{[s.index for s in pending][:5]}...")
 
 
 def sketch_with_store(table: pa.Table, model_path: str | None, cfg: SketchConfig, out_dir: str, *,

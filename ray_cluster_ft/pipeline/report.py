@@ -192,26 +192,12 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
     lines = ["# ray-cluster-ft run report", "", f"Run directory: `{run_dir}`", ""]
-    c = manifest["counts"]
-    lines += ["## Counts", "", _table(["read", "accepted", "rejected", "held out", "selected", "not selected", "trained"],
-                                      [[c["read"], c["accepted"], c["rejected"], c["held_out"], c["selected"],
-                                        c["not_selected"], c["trained"]]]), ""]
-    if c.get("rejected_by_reason"):
-        lines += ["Rejected by reason (see `rejected.jsonl`):", "",
-                  _table(["reason", "rows"], [[k, v] for k, v in c["rejected_by_reason"].items()]), ""]
-    if c.get("features_computed", 0) + c.get("features_reused", 0):
-        store = manifest.get("sketch", {}).get("store")
-        where = f" (feature store `{store}`)." if store else "."
-        lines += [f"Features: {c['features_computed']} computed, {c['features_reused']} reused{where}", ""]
-    b = manifest.get("budget", {})
-    if b.get("rounded_down_by"):
-        lines += [f"The selection ({b['requested']}) was rounded down by {b['rounded_down_by']} so that every rank "
-                  f"gets the same number of full micro-batches.", ""]
-    lines += ["## Stage timings (s)", "", _table(list(manifest["timings_s"]), [list(manifest["timings_s"].values())]), ""]
+    lines += _count_lines(manifest)
+    timings = manifest["timings_s"]
+    lines += ["## Stage timings (s)", "", _table(list(timings), [list(timings.values())]), ""]
 
     lines += _eval_lines(manifest)
 
@@ -226,22 +212,65 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
         lines += [f"**Warning:** {warning}.", ""]
     lines += _cluster_map_lines(manifest.get("clustering", {}))
     if labels is not None and len(labels):
-        k = int(labels.max()) + 1
-        sizes = np.bincount(labels, minlength=k)
-        picked = np.bincount(labels[selected_idx], minlength=k)
-        fig, ax = plt.subplots(figsize=(8, 3))
-        x = np.arange(k)
-        ax.bar(x, sizes, label="cluster size", color="#bbb")
-        ax.bar(x, picked, label="selected", color="#1f77b4")
-        ax.set_xlabel("cluster")
-        ax.set_ylabel("examples")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(run_dir / "clusters.png", dpi=100)
-        plt.close(fig)
-        lines += ["## Clusters and per-cluster selection", "", "![clusters](clusters.png)", ""]
+        lines += _clusters_figure(run_dir / "clusters.png", labels, selected_idx)
 
     packed = any("pack_fill" in m for m in pm.values()) if pm else False
+    lines += _load_figure(run_dir / "load.png", plan, packed)
+    if baseline_plan is not None and len(baseline_plan) and "cluster" in plan.columns:
+        lines += _plan_vs_baseline_lines(run_dir / "allocation.png", plan, baseline_plan, packed, pm)
+    log = run_dir / "train_log.jsonl"
+    if log.exists():
+        lines += _loss_figure(run_dir / "loss.png", log)
+
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _count_lines(manifest: dict) -> list[str]:
+    """The counts table, rejections by reason, features computed and reused, the budget's rounding."""
+    c = manifest["counts"]
+    header = ["read", "accepted", "rejected", "held out", "selected", "not selected", "trained"]
+    lines = ["## Counts", "", _table(header, [[c["read"], c["accepted"], c["rejected"], c["held_out"], c["selected"],
+                                               c["not_selected"], c["trained"]]]), ""]
+    if c.get("rejected_by_reason"):
+        lines += ["Rejected by reason (see `rejected.jsonl`):", "",
+                  _table(["reason", "rows"], [[k, v] for k, v in c["rejected_by_reason"].items()]), ""]
+    if c.get("features_computed", 0) + c.get("features_reused", 0):
+        store = manifest.get("sketch", {}).get("store")
+        where = f" (feature store `{store}`)." if store else "."
+        lines += [f"Features: {c['features_computed']} computed, {c['features_reused']} reused{where}", ""]
+    b = manifest.get("budget", {})
+    if b.get("rounded_down_by"):
+        lines += [f"The selection ({b['requested']}) was rounded down by {b['rounded_down_by']} so that every rank "
+                  f"gets the same number of full micro-batches.", ""]
+    return lines
+
+
+def _clusters_figure(path: Path, labels: np.ndarray, selected_idx: np.ndarray) -> list[str]:
+    """``clusters.png``: each cluster's size and its selected rows; returns the report's lines for it."""
+    import matplotlib.pyplot as plt
+
+    k = int(labels.max()) + 1
+    sizes = np.bincount(labels, minlength=k)
+    picked = np.bincount(labels[selected_idx], minlength=k)
+    fig, ax = plt.subplots(figsize=(8, 3))
+    x = np.arange(k)
+    ax.bar(x, sizes, label="cluster size", color="#bbb")
+    ax.bar(x, picked, label="selected", color="#1f77b4")
+    ax.set_xlabel("cluster")
+    ax.set_ylabel("examples")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return ["## Clusters and per-cluster selection", "", "![clusters](clusters.png)", ""]
+
+
+def _load_figure(path: Path, plan: pd.DataFrame, packed: bool) -> list[str]:
+    """``load.png``: every rank's (padded) tokens per step; returns the report's lines for it."""
+    import matplotlib.pyplot as plt
+
     load = _padded_load(plan, packed)
     fig, ax = plt.subplots(figsize=(8, 3))
     for r in load.columns:
@@ -250,40 +279,44 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
     ax.set_ylabel("tokens (packed)" if packed else "padded tokens")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(run_dir / "load.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    lines += [f"## Per-rank token load per step ({'tokens, packed' if packed else 'padded tokens'})", "",
-              "![load](load.png)", ""]
+    return [f"## Per-rank token load per step ({'tokens, packed' if packed else 'padded tokens'})", "",
+            "![load](load.png)", ""]
 
-    if baseline_plan is not None and len(baseline_plan) and "cluster" in plan.columns:
-        figs = _allocation_figure(run_dir / "allocation.png", plan, baseline_plan, packed)
-        ratio = figs["plan"]["critical_path"] / figs["random baseline"]["critical_path"]
-        own = next((m for name, m in pm.items() if not name.startswith("random")), {}) if pm else {}
-        bound, bound_ratio = own.get("critical_path_bound_tokens"), own.get("critical_path_vs_bound")
-        lines += ["## Allocation per step: plan vs random baseline", "",
-                  (f"Same-cluster collisions per step, every row counted: "
-                   f"{float(figs['plan']['collisions_rows'].mean()):.3f} (plan) vs "
-                   f"{float(figs['random baseline']['collisions_rows'].mean()):.3f} (random); by each "
-                   f"micro-batch's majority: {float(figs['plan']['collisions'].mean()):.3f} vs "
-                   f"{float(figs['random baseline']['collisions'].mean()):.3f}."), "",
-                  f"Critical path of the plan: {ratio:.3f}x the random baseline's"
-                  + (f"; {bound_ratio:.3f}x the lower bound for any plan of these examples "
-                     f"({bound:,.0f} tokens)." if bound else "."), "",
-                  "![allocation](allocation.png)", ""]
 
-    log = run_dir / "train_log.jsonl"
-    if log.exists():
-        rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
-        if rows:
-            fig, ax = plt.subplots(figsize=(8, 3))
-            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
-            ax.set_xlabel("optimizer step")
-            ax.set_ylabel("training loss")
-            fig.tight_layout()
-            fig.savefig(run_dir / "loss.png", dpi=100)
-            plt.close(fig)
-            lines += ["## Training loss", "", "![loss](loss.png)", ""]
+def _plan_vs_baseline_lines(path: Path, plan: pd.DataFrame, baseline_plan: pd.DataFrame, packed: bool,
+                            pm: dict) -> list[str]:
+    """``allocation.png`` (:func:`_allocation_figure`) and the report's lines on collisions and the critical
+    path of the plan against the random baseline."""
+    figs = _allocation_figure(path, plan, baseline_plan, packed)
+    ratio = figs["plan"]["critical_path"] / figs["random baseline"]["critical_path"]
+    own = next((m for name, m in pm.items() if not name.startswith("random")), {}) if pm else {}
+    bound, bound_ratio = own.get("critical_path_bound_tokens"), own.get("critical_path_vs_bound")
+    return ["## Allocation per step: plan vs random baseline", "",
+            (f"Same-cluster collisions per step, every row counted: "
+             f"{float(figs['plan']['collisions_rows'].mean()):.3f} (plan) vs "
+             f"{float(figs['random baseline']['collisions_rows'].mean()):.3f} (random); by each "
+             f"micro-batch's majority: {float(figs['plan']['collisions'].mean()):.3f} vs "
+             f"{float(figs['random baseline']['collisions'].mean()):.3f}."), "",
+            f"Critical path of the plan: {ratio:.3f}x the random baseline's"
+            + (f"; {bound_ratio:.3f}x the lower bound for any plan of these examples "
+               f"({bound:,.0f} tokens)." if bound else "."), "",
+            "![allocation](allocation.png)", ""]
 
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines))
-    return path
+
+def _loss_figure(path: Path, log: Path) -> list[str]:
+    """``loss.png`` from ``train_log.jsonl`` (nothing when the log has no step); returns the report's lines."""
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    if not rows:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 3))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return ["## Training loss", "", "![loss](loss.png)", ""]

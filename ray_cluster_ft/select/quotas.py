@@ -266,46 +266,20 @@ def select(
     """
     if strategy not in ("balanced", "equalize", "random", "full"):
         raise ValueError(f"strategy must be 'balanced', 'equalize', 'random' or 'full', got {strategy!r}")
-    lab = None
-    if labels is not None:
-        lab = np.asarray(labels)
-        if lab.ndim != 1 or not np.issubdtype(lab.dtype, np.integer):
-            raise ValueError(f"labels must be a 1-D integer array, got shape {lab.shape} dtype {lab.dtype}")
-        if lab.size and lab.min() < 0:
-            raise ValueError(f"labels must be >= 0, got {lab.min()}")
-    counts = (None if x is None else np.shape(x)[0], None if lab is None else lab.size, n)
-    sizes_n = [v for v in counts if v is not None]
-    if not sizes_n:
-        raise ValueError("select needs x, labels or n to know how many rows there are")
-    if len(set(sizes_n)) != 1:
-        raise ValueError(f"x, labels and n disagree on the number of rows: {sizes_n}")
-    total = sizes_n[0]
+    lab = _checked_labels(labels)
+    total = _row_count(x, lab, n)
     k = int(lab.max()) + 1 if lab is not None and lab.size else 0
 
     nt = None
     if budget_tokens is not None:
-        if strategy not in ("balanced", "random"):
-            raise ValueError(f"budget_tokens applies to the 'balanced' and 'random' strategies, not {strategy!r}")
-        if n_tokens is None:
-            raise ValueError("budget_tokens needs n_tokens (tokens per row)")
-        nt = np.asarray(n_tokens)
-        if nt.shape != (total,) or (nt.size and not np.issubdtype(nt.dtype, np.integer)):
-            raise ValueError(f"n_tokens must be an integer array of shape ({total},), got {nt.shape} {nt.dtype}")
-        nt = nt.astype(np.int64)
-        if nt.size and nt.min() < 1:
-            raise ValueError(f"n_tokens must be >= 1, got {int(nt.min())}")
-        budget_tokens = _check_int("budget_tokens", budget_tokens)
-        if budget_tokens > int(nt.sum()):
-            raise ValueError(f"budget_tokens={budget_tokens} is above the {int(nt.sum())} tokens available")
+        nt, budget_tokens = _checked_token_budget(strategy, n_tokens, budget_tokens, total)
         if strategy == "random":
             perm = np.random.default_rng(seed).permutation(total)
             idx = np.sort(perm[_fit_in_order(nt[perm], budget_tokens)]).astype(np.int64)
-            quotas = np.bincount(lab[idx], minlength=k).astype(np.int64) if lab is not None else None
-            return SelectionResult(idx, np.full(idx.size, "random"), quotas)
+            return SelectionResult(idx, np.full(idx.size, "random"), _counts(lab, idx, k))
     elif strategy == "full":
         idx = np.arange(total, dtype=np.int64)
-        quotas = np.bincount(lab, minlength=k).astype(np.int64) if lab is not None else None
-        return SelectionResult(idx, np.full(total, "full"), quotas)
+        return SelectionResult(idx, np.full(total, "full"), _counts(lab, idx, k))
     elif strategy != "equalize":
         budget = _check_int("budget", budget)
         if budget > total:
@@ -314,8 +288,7 @@ def select(
     if strategy == "random":
         rng = np.random.default_rng(seed)
         idx = np.sort(rng.choice(total, size=budget, replace=False)).astype(np.int64)
-        quotas = np.bincount(lab[idx], minlength=k).astype(np.int64) if lab is not None else None
-        return SelectionResult(idx, np.full(budget, "random"), quotas)
+        return SelectionResult(idx, np.full(budget, "random"), _counts(lab, idx, k))
 
     if lab is None or dist is None or (x is None and within not in DISTANCE_ORDERS):
         raise ValueError(f"the {strategy} strategy needs x, labels and dist")
@@ -323,16 +296,62 @@ def select(
     if d.shape != (total,):
         raise ValueError(f"dist must have shape ({total},), got {d.shape}")
     sizes = np.bincount(lab, minlength=k)
+    xa = None if x is None else np.asarray(x)
     if strategy == "equalize":
         quotas = np.full(k, equalize_count(sizes, ratio, micro_batch_size), dtype=np.int64)
     elif nt is not None:
         token_totals = np.bincount(lab, weights=nt, minlength=k).astype(np.int64)
         quotas = water_fill_quotas(token_totals, budget_tokens)
-        return _per_cluster(None if x is None else np.asarray(x), lab, d, quotas, within, dedup_threshold, seed,
-                            nt=nt)
+        return _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed, nt=nt)
     else:
         quotas = water_fill_quotas(sizes, budget)
-    return _per_cluster(None if x is None else np.asarray(x), lab, d, quotas, within, dedup_threshold, seed)
+    return _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed)
+
+
+def _checked_labels(labels) -> np.ndarray | None:
+    """``labels`` as a 1-D non-negative integer array (None stays None), else ValueError."""
+    if labels is None:
+        return None
+    lab = np.asarray(labels)
+    if lab.ndim != 1 or not np.issubdtype(lab.dtype, np.integer):
+        raise ValueError(f"labels must be a 1-D integer array, got shape {lab.shape} dtype {lab.dtype}")
+    if lab.size and lab.min() < 0:
+        raise ValueError(f"labels must be >= 0, got {lab.min()}")
+    return lab
+
+
+def _row_count(x, lab, n) -> int:
+    """The number of rows, from whichever of ``x``, ``labels`` and ``n`` is given (they must agree)."""
+    counts = (None if x is None else np.shape(x)[0], None if lab is None else lab.size, n)
+    sizes_n = [v for v in counts if v is not None]
+    if not sizes_n:
+        raise ValueError("select needs x, labels or n to know how many rows there are")
+    if len(set(sizes_n)) != 1:
+        raise ValueError(f"x, labels and n disagree on the number of rows: {sizes_n}")
+    return sizes_n[0]
+
+
+def _checked_token_budget(strategy: str, n_tokens, budget_tokens, total: int) -> tuple[np.ndarray, int]:
+    """``(n_tokens int64 (total,), budget_tokens)`` checked for a token budget, else ValueError."""
+    if strategy not in ("balanced", "random"):
+        raise ValueError(f"budget_tokens applies to the 'balanced' and 'random' strategies, not {strategy!r}")
+    if n_tokens is None:
+        raise ValueError("budget_tokens needs n_tokens (tokens per row)")
+    nt = np.asarray(n_tokens)
+    if nt.shape != (total,) or (nt.size and not np.issubdtype(nt.dtype, np.integer)):
+        raise ValueError(f"n_tokens must be an integer array of shape ({total},), got {nt.shape} {nt.dtype}")
+    nt = nt.astype(np.int64)
+    if nt.size and nt.min() < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {int(nt.min())}")
+    budget_tokens = _check_int("budget_tokens", budget_tokens)
+    if budget_tokens > int(nt.sum()):
+        raise ValueError(f"budget_tokens={budget_tokens} is above the {int(nt.sum())} tokens available")
+    return nt, budget_tokens
+
+
+def _counts(lab, idx: np.ndarray, k: int) -> np.ndarray | None:
+    """Selected rows per cluster, int64 (k,); None without labels (the baselines' ``quotas``)."""
+    return np.bincount(lab[idx], minlength=k).astype(np.int64) if lab is not None else None
 
 
 def token_budget_count(budget_tokens: float, total_tokens: int) -> int:

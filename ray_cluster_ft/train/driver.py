@@ -157,7 +157,6 @@ def _check_plan(plan: pd.DataFrame, world: int, cfg: TrainConfig, packing: bool)
     return check_plan(plan, world, 1, cfg.grad_accum, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
 
 
-# Long for its docstring (about 50 lines: arguments, fault tolerance, errors); the trainer is built by _trainer.
 def _clear_run_dir(run_dir: str | Path, resume: bool) -> Path:
     """The absolute run directory, made, with the training outputs of an earlier run removed (a resume keeps
     its checkpoints, trained rows and step log)."""
@@ -259,7 +258,6 @@ def train(
 
     world = cfg.num_workers
     total_steps = _check_plan(plan, world, cfg, packing)
-    n_micro = total_steps * cfg.grad_accum
     tables = build_rank_tables(plan, examples, world, weights,
                                max_tokens_per_pack=cfg.max_tokens_per_micro_batch if packing else None)
     model_dir = resolve_model_path(model_path)
@@ -277,24 +275,10 @@ def train(
     resume_from, skipped = newest_complete_checkpoint(storage, world, this_plan) if resume else (None, [])
     for line in skipped:
         print(f"[train] skipped incomplete checkpoint {line}", flush=True)
-    trainer = _trainer(cfg, tables, run_dir, {
-        "train": cfg.model_dump(),
-        "ds_config": build_deepspeed_config(cfg, total_steps),
-        "precision": precision_for(cfg),
-        "gradient_checkpointing": cfg.use_gpu if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing,
-        "attn_implementation": attn_implementation,
-        "model_dir": model_dir,
-        "trust_remote_code": trust_remote_code,
-        "run_dir": str(run_dir),
-        "total_steps": total_steps,
-        "micro_batches_per_rank": n_micro,
-        "save_model": save_model,
-        "pad_token_id": int(pad_token_id),
-        "plan_hash": this_plan,
-        "fail_at_step": os.environ.get(FAIL_AT_STEP_ENV),
-        "resume_checkpoint": resume_from,
-        "packing": bool(packing),
-    })
+    trainer = _trainer(cfg, tables, run_dir, _loop_config(
+        cfg, total_steps, model_dir=model_dir, run_dir=run_dir, plan_hash=this_plan, resume_checkpoint=resume_from,
+        attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, save_model=save_model,
+        pad_token_id=pad_token_id, packing=packing))
     t0 = time.perf_counter()
     result = _fit(trainer)
     seconds = time.perf_counter() - t0
@@ -305,16 +289,50 @@ def train(
     keep = keep if cfg.final_checkpoint else None
 
     trained_path = _check_trained(run_dir, world, plan)
+    return _train_result(run_dir, cfg, result.metrics or {}, total_steps, seconds, keep, trained_path, tokenizer)
 
+
+def _loop_config(cfg: TrainConfig, total_steps: int, *, model_dir: str, run_dir: Path, plan_hash: str,
+                 resume_checkpoint, attn_implementation, trust_remote_code: bool, save_model: bool,
+                 pad_token_id: int, packing: bool) -> dict:
+    """The ``train_loop_config`` every worker gets (:func:`ray_cluster_ft.train.loop.train_loop_per_worker`): the
+    train section, the DeepSpeed dict built once here on the driver, and the run's facts."""
+    return {
+        "train": cfg.model_dump(),
+        "ds_config": build_deepspeed_config(cfg, total_steps),
+        "precision": precision_for(cfg),
+        "gradient_checkpointing": cfg.use_gpu if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing,
+        "attn_implementation": attn_implementation,
+        "model_dir": model_dir,
+        "trust_remote_code": trust_remote_code,
+        "run_dir": str(run_dir),
+        "total_steps": total_steps,
+        "micro_batches_per_rank": total_steps * cfg.grad_accum,
+        "save_model": save_model,
+        "pad_token_id": int(pad_token_id),
+        "plan_hash": plan_hash,
+        "fail_at_step": os.environ.get(FAIL_AT_STEP_ENV),
+        "resume_checkpoint": resume_checkpoint,
+        "packing": bool(packing),
+    }
+
+
+def _train_result(run_dir: Path, cfg: TrainConfig, metrics: dict, total_steps: int, seconds: float,
+                  checkpoint: str | None, trained_path: Path, tokenizer) -> TrainResult:
+    """The :class:`TrainResult` of a finished run, from its step log; the tokenizer saved beside the final model
+    (``tokenizer`` None: no model saved).
+
+    Raises:
+        RuntimeError: the step log has another number of steps than the plan.
+    """
     log_path = run_dir / "train_log.jsonl"
     log = pd.read_json(log_path, lines=True)
     if len(log) != total_steps:
         raise RuntimeError(f"train log has {len(log)} steps, the plan {total_steps}")
     final_dir = None
-    if save_model:
+    if tokenizer is not None:
         final_dir = run_dir / "final_model"
         tokenizer.save_pretrained(final_dir)
-    metrics = result.metrics or {}
     per_rank = np.asarray(log["step_time_s_per_rank"].tolist(), dtype=np.float64)  # (steps, world)
     waits = np.asarray(log["wait_s_per_rank"].tolist(), dtype=np.float64)
     return TrainResult(
@@ -324,7 +342,7 @@ def train(
         final_loss=float(log["loss"].iloc[-1]),
         log_path=log_path,
         trained_path=trained_path,
-        checkpoint_path=keep,
+        checkpoint_path=checkpoint,
         init_seconds=float(metrics.get("init_s", float("nan"))),
         step_time_p50_s=np.percentile(per_rank, 50, axis=0).round(4).tolist(),
         step_time_p90_s=np.percentile(per_rank, 90, axis=0).round(4).tolist(),

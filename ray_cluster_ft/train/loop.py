@@ -351,27 +351,12 @@ def train_loop_per_worker(config: dict) -> None:
     engine, t_load, t_init, precision = _build_engine(config, cfg)
     engine.train()
     device = engine.device
-    start, start_rows = _restore(engine, rank, config["plan_hash"], config.get("resume_checkpoint"))
-    if start_rows is None:
-        if packed:
-            raise RuntimeError("the checkpoint does not record the rows trained, which a packed plan needs to resume")
-        start_rows = start * mbs
+    start, start_rows = _resume_point(engine, rank, config, packed, mbs)
     if rank == 0:
-        print(f"[train] model loaded in {t_load:.1f}s, deepspeed.initialize done at {t_init:.1f}s "
-              f"(ZeRO-{cfg.zero_stage}, {precision}{', LoRA' if cfg.lora.enabled else ''}, world {world}, "
-              f"{total_steps} steps)"
-              + (f"; resumed after step {start // ga}" if start else ""), flush=True)
-
-    trained_path = run_dir / "trained" / f"rank{rank}.jsonl"
-    _truncate_lines(trained_path, start_rows)
-    trained_fh = open(trained_path, "a", encoding="utf-8")
-    log_fh = None
-    if rank == 0:
-        _truncate_lines(run_dir / "train_log.jsonl", start // ga)
-        log_fh = open(run_dir / "train_log.jsonl", "a", encoding="utf-8")
+        _announce(cfg, t_load, t_init, precision, world, total_steps, start)
+    trained_fh, log_fh = _open_logs(run_dir, rank, start_rows, start // ga)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    timer = ForwardTimer(device)
-    meters = _metric_handles(rank)
+    timer, meters = ForwardTimer(device), _metric_handles(rank)
     shard = ray.train.get_dataset_shard(f"train_rank{rank}")
     done = rows_done = 0
     cur_step = None
@@ -388,23 +373,15 @@ def train_loop_per_worker(config: dict) -> None:
 
         for batch, host in _prefetch(_micro_batches(shard, mbs, packed), collate, skip=start):
             epoch, step, micro = _check_micro_batch(batch, None if packed else mbs)
-            if micro != done % ga or (micro == 0 and cur_step is not None and step <= cur_step) or (
-                micro > 0 and step != cur_step
-            ):
-                raise RuntimeError(
-                    f"rank {rank}: micro-batch (epoch {epoch}, step {step}, micro_index {micro}) arrived out of plan "
-                    f"order after {done} micro-batches"
-                )
+            _check_plan_order(rank, (epoch, step, micro), done, ga, cur_step)
             cur_step = step
             if done < start:  # trained before the checkpoint this run resumed from
                 done += 1
                 rows_done += len(batch["example_id"])
                 continue
             if micro == 0:
-                n_step = done // ga + 1
-                if fail_at == n_step and rank == 0 and not (run_dir / ".fault_injected").exists():
-                    (run_dir / ".fault_injected").touch()
-                    raise RuntimeError(f"injected failure at step {n_step} ({FAIL_AT_STEP_ENV}={fail_at})")
+                if rank == 0:
+                    _inject_fault(run_dir, fail_at, done // ga + 1)
                 step_t0 = time.perf_counter()
                 real = padded = 0
                 step_lr = float(engine.get_lr()[0])  # the lr this step trains with (the scheduler steps after it)
@@ -412,16 +389,13 @@ def train_loop_per_worker(config: dict) -> None:
             mb = to_device(host, device)
             denom = float(batch["step_weighted_tokens"][0])  # the step's sum_i w_i |T_i|, from the plan
             loss_sum = train_micro_batch(engine, mb, world * ga / denom, timer)
-            _append_jsonl(trained_fh, [
-                {"rank": rank, "step": step, "micro_index": micro, "epoch": epoch, "example_id": str(e)}
-                for e in batch["example_id"]
-            ])
+            _append_jsonl(trained_fh, [{"rank": rank, "step": step, "micro_index": micro, "epoch": epoch,
+                                        "example_id": str(e)} for e in batch["example_id"]])
             loss_acc += loss_sum.double() / denom
-            lengths = [len(x) for x in batch["input_ids"]]
-            # A pack's tensor holds its real tokens only; a padded micro-batch holds B x its longest row.
-            real, padded = real + sum(lengths), padded + (sum(lengths) if packed else len(lengths) * max(lengths))
+            mb_real, mb_padded = _micro_batch_tokens(batch, packed)
+            real, padded = real + mb_real, padded + mb_padded
             done += 1
-            rows_done += len(lengths)
+            rows_done += len(batch["input_ids"])
             if micro != ga - 1:
                 continue
             sync()
@@ -430,12 +404,8 @@ def train_loop_per_worker(config: dict) -> None:
             steps_done = done // ga
             metrics = {"epoch": epoch, "step": step, "loss": float(g[:, 0].sum())}
             if log_fh is not None:
-                row = _log_row(step, epoch, g, compute, wait, step_lr)
-                _append_jsonl(log_fh, [row])
-                if steps_done % cfg.log_every == 0 or steps_done == total_steps:
-                    print(f"[train] step {steps_done}/{total_steps} epoch {epoch} loss {row['loss']:.4f} "
-                          f"tokens/s {row['tokens_per_s']:.0f} step {row['step_time_s']:.2f}s "
-                          f"wait {wait.max():.2f}s", flush=True)
+                _log_step(log_fh, _log_row(step, epoch, g, compute, wait, step_lr), steps_done, total_steps,
+                          cfg.log_every, float(wait.max()))
             if cfg.checkpoint_every and steps_done % cfg.checkpoint_every == 0 and steps_done < total_steps:
                 trained_fh.flush()
                 _checkpoint(engine, rank, done, steps_done, config["plan_hash"], metrics, rows_done)
@@ -448,16 +418,95 @@ def train_loop_per_worker(config: dict) -> None:
     t_train = time.perf_counter() - t_train
 
     final = {**metrics, "load_s": t_load, "init_s": t_init, "train_s": t_train, "resumed_from_micro_batch": start}
+    _finish_rank(engine, config, cfg, rank, final, done, start, rows_done)
+    dist.barrier()
+
+
+def _announce(cfg, t_load: float, t_init: float, precision: str, world: int, total_steps: int, start: int) -> None:
+    """Rank 0's line once the engine is up: load and initialise times, ZeRO stage, precision, where it resumes."""
+    print(f"[train] model loaded in {t_load:.1f}s, deepspeed.initialize done at {t_init:.1f}s "
+          f"(ZeRO-{cfg.zero_stage}, {precision}{', LoRA' if cfg.lora.enabled else ''}, world {world}, "
+          f"{total_steps} steps)"
+          + (f"; resumed after step {start // cfg.grad_accum}" if start else ""), flush=True)
+
+
+def _micro_batch_tokens(batch: dict, packed: bool) -> tuple[int, int]:
+    """``(real, padded)`` tokens of a micro-batch: a pack's tensor holds its real tokens only; a padded
+    micro-batch holds B x its longest row."""
+    lengths = [len(x) for x in batch["input_ids"]]
+    return sum(lengths), (sum(lengths) if packed else len(lengths) * max(lengths))
+
+
+def _resume_point(engine, rank: int, config: dict, packed: bool, mbs: int) -> tuple[int, int]:
+    """``(micro-batches, rows)`` this rank trained before the checkpoint it resumes from (0, 0 for a fresh run).
+
+    Raises:
+        RuntimeError: a packed plan resumes from a checkpoint that does not record its rows.
+    """
+    start, start_rows = _restore(engine, rank, config["plan_hash"], config.get("resume_checkpoint"))
+    if start_rows is None:
+        if packed:
+            raise RuntimeError("the checkpoint does not record the rows trained, which a packed plan needs to resume")
+        start_rows = start * mbs
+    return start, start_rows
+
+
+def _inject_fault(run_dir: Path, fail_at: int, n_step: int) -> None:
+    """The test hook of ``$RAY_CLUSTER_FT_FAIL_AT_STEP``: raise once per run directory at the start of step
+    ``fail_at`` (1-based; 0 = never)."""
+    if fail_at == n_step and not (run_dir / ".fault_injected").exists():
+        (run_dir / ".fault_injected").touch()
+        raise RuntimeError(f"injected failure at step {n_step} ({FAIL_AT_STEP_ENV}={fail_at})")
+
+
+def _open_logs(run_dir: Path, rank: int, rows_kept: int, steps_kept: int) -> tuple:
+    """``(trained rows file, step log or None)`` opened for appending, each cut back first to what the checkpoint
+    this attempt resumes from had done (``rows_kept`` rows, ``steps_kept`` steps); the step log is rank 0's."""
+    trained_path = run_dir / "trained" / f"rank{rank}.jsonl"
+    _truncate_lines(trained_path, rows_kept)
+    trained_fh = open(trained_path, "a", encoding="utf-8")
+    log_fh = None
+    if rank == 0:
+        _truncate_lines(run_dir / "train_log.jsonl", steps_kept)
+        log_fh = open(run_dir / "train_log.jsonl", "a", encoding="utf-8")
+    return trained_fh, log_fh
+
+
+def _check_plan_order(rank: int, key: tuple, done: int, ga: int, cur_step) -> None:
+    """RuntimeError unless micro-batch ``key`` = ``(epoch, step, micro_index)`` is the next in plan order after
+    ``done`` micro-batches (``cur_step``: the step of the one before, None at the start)."""
+    epoch, step, micro = key
+    if micro != done % ga or (micro == 0 and cur_step is not None and step <= cur_step) or (
+        micro > 0 and step != cur_step
+    ):
+        raise RuntimeError(
+            f"rank {rank}: micro-batch (epoch {epoch}, step {step}, micro_index {micro}) arrived out of plan "
+            f"order after {done} micro-batches"
+        )
+
+
+def _log_step(log_fh, row: dict, steps_done: int, total_steps: int, log_every: int, wait_max: float) -> None:
+    """Rank 0: the step's row appended to ``train_log.jsonl``, and a progress line every ``log_every`` steps."""
+    _append_jsonl(log_fh, [row])
+    if steps_done % log_every == 0 or steps_done == total_steps:
+        print(f"[train] step {steps_done}/{total_steps} epoch {row['epoch']} loss {row['loss']:.4f} "
+              f"tokens/s {row['tokens_per_s']:.0f} step {row['step_time_s']:.2f}s "
+              f"wait {wait_max:.2f}s", flush=True)
+
+
+def _finish_rank(engine, config: dict, cfg, rank: int, final: dict, done: int, start: int, rows_done: int) -> None:
+    """The final checkpoint (or a last report), then the model saved."""
+    import ray.train
+
     # The final checkpoint comes before the model is written (merging LoRA adapters rewrites the module tree). None
     # with train.final_checkpoint off, nor when this attempt trained nothing (its checkpoint is already there).
     if getattr(cfg, "final_checkpoint", True) and done > start:
-        _checkpoint(engine, rank, done, done // ga, config["plan_hash"], final, rows_done)
+        _checkpoint(engine, rank, done, done // cfg.grad_accum, config["plan_hash"], final, rows_done)
     else:
         ray.train.report(final)
     if config["save_model"]:
-        _save_hf_model(engine, run_dir / "final_model", rank, cfg.zero_stage,
+        _save_hf_model(engine, Path(config["run_dir"]) / "final_model", rank, cfg.zero_stage,
                        merge_lora=cfg.lora.enabled and cfg.lora.merge)
-    dist.barrier()
 
 
 def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default") -> dict:
