@@ -89,6 +89,10 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from bench import _common  # noqa: E402  (after the path insert)
+
 ARMS = {
     # name: (label, selection.strategy, allocation.strategy, sketch.method); None = what the arm's preset sets
     "paper": ("published CluSTER (preset cluster-paper)", None, None, "last_layer"),
@@ -142,8 +146,12 @@ TASK_METRICS = ("loss", "mc_accuracy", "pass_at_1")
 
 
 def shared_data_dir() -> Path:
-    env = os.environ.get("RAY_CLUSTER_FT_SHARED_DATA")
-    return Path(env) if env else REPO.parent / "shared" / "data"
+    """The shared data folder (:func:`bench._common.shared_data_dir`); SystemExit where it is absent."""
+    root = _common.shared_data_dir()
+    if root is None:
+        raise SystemExit("end_to_end: the shared data folder (../shared/data, or $RAY_CLUSTER_FT_SHARED_DATA) is "
+                         "absent")
+    return root
 
 
 # --------------------------------------------------------------------------- data

@@ -45,9 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DATA = Path(os.environ.get("RAY_CLUSTER_FT_SHARED_DATA", ROOT.parent / "shared" / "data"))
-if not DATA.is_dir():
-    DATA = Path("/work/shared/data")
+from bench._common import shared_data_dir  # noqa: E402  (after the path insert)
+
+DATA = shared_data_dir() or Path("/work/shared/data")
 
 
 def real_rows(n: int) -> list[dict]:
@@ -127,11 +127,15 @@ def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=600, help="rows of the first job")
     ap.add_argument("--grow", type=float, default=0.10, help="share of new rows in the second job")
-    ap.add_argument("--model", choices=("small", "demo"), default="small")
+    ap.add_argument("--model", choices=("small", "tiny", "demo"), default="small",
+                    help="small: hidden 256, 4 layers; tiny: hidden 32, 2 layers (the smoke test); demo: SmolLM2-135M")
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--work", default="/tmp/ray-cluster-ft-bench-feature-store", help="scratch folder (wiped)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "feature_store.json"))
     ap.add_argument("--no-from-run", action="store_true", help="skip the informational from_run job")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one Ray for every job (its idle workers make later jobs' times incomparable: a check that "
+                         "the script runs, not a measurement)")
     args = ap.parse_args()
 
     import numpy as np
@@ -147,6 +151,11 @@ def main() -> dict:
 
         model = str(make_tiny_model(work / "model", hidden_size=256, num_layers=4, seed=0))
         model_desc = "Llama from a config (hidden 256, 4 layers, SmolLM2 tokenizer), random seeded weights"
+    elif args.model == "tiny":
+        from ray_cluster_ft.model import make_tiny_model
+
+        model = str(make_tiny_model(work / "model", seed=0))
+        model_desc = "Llama from a config (hidden 32, 2 layers, SmolLM2 tokenizer), random seeded weights"
     else:
         model, model_desc = "demo", "SmolLM2-135M-Instruct (demo)"
     n2 = round(args.n * (1 + args.grow))
@@ -156,11 +165,16 @@ def main() -> dict:
     store = str(work / "store")
     load_before = os.getloadavg()[0]
 
-    first = job("first", work, first_data, model, store, args)
-    second = job("second", work, grown_data, model, store, args)
-    scratch = job("scratch", work, grown_data, model, None, args)
-    reuse = None if args.no_from_run else job("from_run", work, grown_data, model, store, args,
-                                              from_run=str(work / "first"))
+    import contextlib
+
+    from ray_cluster_ft.pipeline import ray_session
+
+    with ray_session() if args.smoke else contextlib.nullcontext():
+        first = job("first", work, first_data, model, store, args)
+        second = job("second", work, grown_data, model, store, args)
+        scratch = job("scratch", work, grown_data, model, None, args)
+        reuse = None if args.no_from_run else job("from_run", work, grown_data, model, store, args,
+                                                  from_run=str(work / "first"))
     load_after = os.getloadavg()[0]
 
     c1, c2, c3 = first["counts"], second["counts"], scratch["counts"]

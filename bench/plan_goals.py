@@ -40,30 +40,32 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 GOALS = {"token_imbalance_mean": 1.02, "pack_fill": 0.95, "single_cluster_fraction": 0.90,
          "collisions_per_step_rows": 0.05, "seconds_1e6": 60.0}
 
 
-def shared_data() -> Path:
-    return Path(os.environ.get("RAY_CLUSTER_FT_SHARED_DATA", ROOT.parent / "shared" / "data"))
-
-
-def real_rows(max_seq_len: int):
-    """(ids str (6000,), texts list, n_tokens int64 (6000,)): the seeded 6,000-row sample, tokenized."""
+def real_rows(max_seq_len: int, n: int = 6000):
+    """(ids str (n,), texts list, n_tokens int64 (n,)): the seeded n-row sample of the shared data, tokenized."""
+    from bench._common import shared_data_dir
     from ray_cluster_ft.model import load_tokenizer
 
+    root = shared_data_dir()
+    if root is None:
+        raise SystemExit("plan_goals: the shared data folder (../shared/data) is absent")
     rows = []
-    for f in sorted(shared_data().glob("*.jsonl")):
+    for f in sorted(root.glob("*.jsonl")):
         with open(f, encoding="utf-8") as fh:
             rows.extend(json.loads(line) for line in fh if line.strip())
     rng = np.random.default_rng(0)
-    sample = rng.choice(len(rows), size=6000, replace=False)
+    sample = rng.choice(len(rows), size=n, replace=False)
     texts = [rows[i]["question"] + "\n" + rows[i]["answer"] for i in sample]
     tok = load_tokenizer("demo")
     n_tokens = np.array([len(t) for t in tok(texts, return_attention_mask=False)["input_ids"]], dtype=np.int64)
@@ -129,8 +131,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=4096, help="train.max_tokens_per_micro_batch")
     ap.add_argument("--max-seq-len", type=int, default=2048, help="data.max_seq_len (lengths are capped to it)")
     ap.add_argument("--no-scale", action="store_true", help="skip the 10^6 timing")
+    ap.add_argument("--rows", type=int, default=6000, help="rows of the seeded sample (the figures: 6000)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[4, 8], help="world sizes W (k = 2W and 4W each)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "plan_goals.json")
     args = ap.parse_args(argv)
-    ids, texts, n_tokens = real_rows(args.max_seq_len)
+    ids, texts, n_tokens = real_rows(args.max_seq_len, args.rows)
     rng = np.random.default_rng(1)
     result = {"rows": int(ids.size), "max_tokens_per_micro_batch": args.max_tokens, "max_seq_len": args.max_seq_len,
               "mean_tokens": float(n_tokens.mean()), "cluster_proxies": {
@@ -143,7 +148,7 @@ def main(argv=None) -> dict:
     misses = []
     caps = {"tfidf": "tokens", "tfidf_rowcap": "rows", "tfidf_uncapped": None}
     for proxy in ("tfidf", "tfidf_rowcap", "tfidf_uncapped", "random"):
-        for w in (4, 8):
+        for w in args.workers:
             for k in (2 * w, 4 * w):
                 labels = (rng.integers(0, k, ids.size) if proxy == "random"
                           else tfidf_labels(texts, k, caps[proxy], n_tokens))
@@ -170,7 +175,7 @@ def main(argv=None) -> dict:
     result["goals"] = GOALS
     result["misses"] = misses
     print("goals missed: " + ("; ".join(misses) if misses else "none"))
-    out = ROOT / "bench" / "results" / "plan_goals.json"
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=float))
     print(json.dumps(result, default=float))

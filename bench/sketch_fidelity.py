@@ -44,29 +44,31 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="demo", help="model to sketch (default demo: SmolLM2-135M-Instruct); a "
+                                                     "local folder, e.g. the tiny model of the smoke test")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/sketch_fidelity.json)")
     args = ap.parse_args()
 
     import torch
 
-    from ray_cluster_ft.model import load_model, load_tokenizer
+    from bench._common import real_examples, shared_data_dir
     from ray_cluster_ft.features import select_modules
     from ray_cluster_ft.features.reference import sketch_fidelity
-    from tests.conftest import shared_data_dir
-    from tests.test_sketch_fidelity import real_examples
+    from ray_cluster_ft.model import load_model, load_tokenizer
 
     if shared_data_dir() is None:
         sys.exit("sketch_fidelity: the shared data folder (../shared/data) is absent")
     torch.set_num_threads(args.threads)
-    examples = real_examples(args.examples, args.max_seq_len, load_tokenizer("demo"))
-    model = load_model("demo").eval()
+    examples = real_examples(args.examples, args.max_seq_len, load_tokenizer(args.model))
+    model = load_model(args.model).eval()
     mods = select_modules(model, ALL_PROJ, args.last_blocks)
     n_params = sum(m.weight.numel() for _, m in mods)
     t0 = time.perf_counter()
     res = sketch_fidelity(model, mods, examples, args.k, args.k, args.dims, seed=args.seed)
     seconds = time.perf_counter() - t0
     tokens = [len(e[0]) for e in examples]
-    print(f"SmolLM2-135M-Instruct, {len(examples)} examples (mbpp + medquad, {min(tokens)}..{max(tokens)} tokens, "
+    name = "SmolLM2-135M-Instruct" if args.model == "demo" else args.model
+    print(f"{name}, {len(examples)} examples (mbpp + medquad, {min(tokens)}..{max(tokens)} tokens, "
           f"mean {sum(tokens) / len(tokens):.0f}), last {args.last_blocks} blocks x {len(ALL_PROJ)} projections "
           f"({len(mods)} modules, {n_params / 1e6:.1f} M weights), k_in = k_out = {args.k}, "
           f"{res[args.dims[0]]['pairs']} pairs, {seconds:.0f} s, {args.threads} thread(s), "

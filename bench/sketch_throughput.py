@@ -118,7 +118,7 @@ def make_batches(n_batches: int, batch: int, seq: int, tokenizer, seed: int = 0)
     """``n_batches`` of (input_ids, attention_mask, labels) int64 ``(batch, seq)``, no padding."""
     import torch
 
-    from tests.conftest import shared_data_dir
+    from bench._common import shared_data_dir
 
     rows = []
     d = shared_data_dir()
@@ -182,6 +182,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="autocast: auto = bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--model", default="demo", help="model to time (default demo: SmolLM2-135M-Instruct); a "
+                                                     "local folder, e.g. the tiny model of the smoke test")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/sketch_throughput.json)")
     args = ap.parse_args()
 
@@ -198,8 +200,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     load_before = os.getloadavg()
-    model = load_model("demo").to(device).eval()
-    batches, source = make_batches(args.batches, args.batch, args.seq, load_tokenizer("demo"))
+    model = load_model(args.model).to(device).eval()
+    batches, source = make_batches(args.batches, args.batch, args.seq, load_tokenizer(args.model))
     batches = [tuple(t.to(device) for t in b) for b in batches]
     meter = Meter(device)
     amp = lambda: _autocast(device, args.dtype)  # noqa: E731
@@ -271,7 +273,8 @@ def main() -> None:
 
     basis = "wall (CUDA synchronised)" if device.type == "cuda" else f"CPU process time, {args.threads} thread(s)"
     dt = {"auto": "bf16 autocast" if device.type == "cuda" else "fp32"}.get(args.dtype, args.dtype)
-    print(f"SmolLM2-135M-Instruct on {device.type} ({dt}), {args.batches} batches x {args.batch} x {args.seq} tokens "
+    name = "SmolLM2-135M-Instruct" if args.model == "demo" else args.model
+    print(f"{name} on {device.type} ({dt}), {args.batches} batches x {args.batch} x {args.seq} tokens "
           f"({source}), k_in = k_out = {args.k}, dim {args.dim}; time basis: {basis}; load average "
           f"{load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print("| blocks | modules | computation | s | examples/s | tokens/s | peak MiB | vs step | exact / sketch |")

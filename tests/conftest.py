@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench._common import shared_data_dir  # noqa: F401  (the tests' import of it: ..conftest)
+
 # One OpenMP thread for the whole session, set before torch or scikit-learn start their thread pools. The
 # pinned plan hashes (tests/test_plan_pin.py) hold for a fixed thread count: a float sum split over two threads
 # rounds differently, and k-means can then break a near-tie the other way. Before, the count depended on which
@@ -26,13 +28,6 @@ def pytest_collection_modifyitems(items):
     out whole files (``--dist loadfile``), so the long ones start at once instead of ending the run alone."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
-
-
-def shared_data_dir() -> Path | None:
-    """``../shared/data`` beside the checkout (or ``$RAY_CLUSTER_FT_SHARED_DATA``), if present."""
-    env = os.environ.get("RAY_CLUSTER_FT_SHARED_DATA")
-    p = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
-    return p if p.is_dir() else None
 
 
 @pytest.fixture(scope="session")

@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from tests.conftest import shared_data_dir
+from bench._common import real_examples, shared_data_dir
 
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def real_examples(n: int, max_seq_len: int, tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The first ``n`` accepted examples of mbpp and medquad together (``n // 2`` from each file where
-    possible), tokenized with the demo chat template, overlong rows truncated."""
-    from ray_cluster_ft.config import DataConfig
-    from ray_cluster_ft.data import load_examples
-
-    d = shared_data_dir()
-    out = []
-    for name in ("mbpp.jsonl", "medquad.jsonl"):
-        cfg = DataConfig(source="files", paths=[str(d / name)], limit=n, max_seq_len=max_seq_len,
-                         overlong="truncate", eval_fraction=0.0)
-        t = load_examples(cfg, tokenizer).train
-        rows = list(zip(t.column("input_ids").to_pylist(), t.column("labels").to_pylist()))[: n // 2]
-        out += [(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)) for a, b in rows]
-    return out
 
 
 @pytest.mark.skipif(shared_data_dir() is None, reason="the shared data folder is absent")

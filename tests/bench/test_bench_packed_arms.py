@@ -11,7 +11,7 @@ import pytest
 
 from ray_cluster_ft.config import parse_config
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "end_to_end.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "end_to_end.py"
 
 
 @pytest.fixture(scope="module")
