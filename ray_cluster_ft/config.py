@@ -307,9 +307,10 @@ class SelectionConfig(_Section):
                                                         "cluster; another value with another strategy is refused")
     budget_tokens: float | None = Field(
         None, gt=0, description="budget in tokens instead of examples: a fraction in (0, 1] of all candidate tokens, "
-                                "or a count if > 1; water-filled per cluster in tokens (balanced, random); null = "
-                                "selection.budget counts examples. Refused with full and equalize and beside a "
-                                "budget other than the default (manifest: counts.tokens_selected)")
+                                "or a count if > 1; null = selection.budget counts examples. balanced water-fills token "
+                                "quotas per cluster and takes members in pick order while they fit, random takes "
+                                "shuffled rows while they fit; refused with full and equalize and beside a budget "
+                                "other than the default (manifest: counts.tokens_selected, tokens_selected_share)")
 
     @field_validator("budget_tokens")
     @classmethod
@@ -472,7 +473,7 @@ class EvaluationConfig(_Section):
         default_factory=list,
         description="extra held-out files (any data.paths format), scored before and after training, per file: "
                     "loss, and MC accuracy or pass@1 where rows carry choices or tests; never sketched, selected "
-                    "or trained on")
+                    "or trained on (manifest: eval_files)")
 
     @field_validator("paths")
     @classmethod
