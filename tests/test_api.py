@@ -143,7 +143,7 @@ def test_select_and_plan_without_clusters_needs_no_features():
     assert set(plan.plan["example_id"]) == set(plan.selection["example_id"]) <= {str(i) for i in range(20)}
 
 
-# The README's "Use it as a library" example, verbatim (test_readme_example checks that it is).
+# The "Use it as a library" example of docs/library.md, verbatim (test_readme_example checks that it is).
 README_EXAMPLE = '''\
 import json
 
@@ -165,9 +165,9 @@ print(plan.metrics["collisions_per_step"], plan.metrics["padding_fraction"])
 
 
 def _library_section() -> str:
-    """The README's library section."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "## Use it as a library" in text, "no 'Use it as a library' section in README.md"
+    """The library section of docs/library.md."""
+    text = (ROOT / "docs" / "library.md").read_text(encoding="utf-8")
+    assert "## Use it as a library" in text, "no 'Use it as a library' section in docs/library.md"
     return text.split("## Use it as a library", 1)[1]
 
 

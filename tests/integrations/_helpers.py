@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from ray_cluster_ft.allocate import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
-README_PATHS = (ROOT / "README.md",)
+README_PATHS = (ROOT / "docs" / "library.md",)  # the trainer examples live there, not in README.md
 PATHS_LINE = 'run_dir, model_path = "runs/demo", "HuggingFaceTB/SmolLM2-135M-Instruct"'
 
 
