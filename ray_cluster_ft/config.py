@@ -305,12 +305,26 @@ class SelectionConfig(_Section):
     seed: int = _seed("selection seed")
     ratio: float = Field(0.5, gt=0, le=1.0, description="equalize only: share of the smallest cluster kept per "
                                                         "cluster; another value with another strategy is refused")
+    groups: Literal["auto"] | int | None = Field(
+        None, description="balanced only: share the budget first equally between groups of similar clusters, then "
+                          "between the clusters of each group (hierarchical balanced sampling, so a kind of row "
+                          "spread over many clusters gets no more than a kind held by few); ``auto`` = the number "
+                          "of groups (2..8) with the best silhouette of the rows, an integer = that many groups "
+                          "(average linkage of the cluster centroids by cosine); null = flat: every cluster one "
+                          "share")
     budget_tokens: float | None = Field(
         None, gt=0, description="budget in tokens instead of examples: a fraction in (0, 1] of all candidate tokens, "
                                 "or a count if > 1; null = selection.budget counts examples. balanced water-fills token "
                                 "quotas per cluster and takes members in pick order while they fit, random takes "
                                 "shuffled rows while they fit; refused with full and equalize and beside a budget "
                                 "other than the default (manifest: counts.tokens_selected, tokens_selected_share)")
+
+    @field_validator("groups")
+    @classmethod
+    def _groups_count(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("groups must be 'auto', a count of at least 1, or null")
+        return v
 
     @field_validator("budget_tokens")
     @classmethod
@@ -330,6 +344,8 @@ class SelectionConfig(_Section):
         if self.budget_tokens is not None and self.budget != default["budget"].default:
             raise ValueError(f"selection.budget ({self.budget}) and selection.budget_tokens ({self.budget_tokens}) "
                              "both set: budget_tokens replaces budget; keep one")
+        if self.groups is not None and self.strategy != "balanced":
+            raise ValueError(f"selection.groups applies to 'balanced' only, not {self.strategy!r}")
         if self.strategy != "equalize" and self.ratio != default["ratio"].default:
             raise ValueError(f"selection.ratio ({self.ratio}) applies to 'equalize' only, not {self.strategy!r} "
                              "(which selection.budget sizes)")
@@ -474,6 +490,11 @@ class EvaluationConfig(_Section):
         description="extra held-out files (any data.paths format), scored before and after training, per file: "
                     "loss, and MC accuracy or pass@1 where rows carry choices or tests; never sketched, selected "
                     "or trained on (manifest: eval_files)")
+    every_epoch: bool = Field(
+        False, description="also score the model after every epoch (saved as epochs/epoch{e}/ while training; "
+                           "needs output.save_model): manifest eval_epochs, each epoch's held-out scores and the "
+                           "macro mean of the evaluation files' losses, and eval.best_epoch, the lowest; the "
+                           "other epochs' folders are removed, the best one is kept")
 
     @field_validator("paths")
     @classmethod
@@ -512,6 +533,13 @@ class JobConfig(_Section):
         if self.train.loss_weighting is None:
             balanced = self.selection.strategy in ("balanced", "equalize")
             self.train.loss_weighting = "cluster" if balanced else "none"
+        return self
+
+    @model_validator(mode="after")
+    def _epoch_scores_need_models(self) -> "JobConfig":
+        if self.evaluation.every_epoch and not self.output.save_model:
+            raise ValueError("evaluation.every_epoch scores the model saved after every epoch: it needs "
+                             "output.save_model: true")
         return self
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ source fields (the tokenized examples keep only ids, tokens and labels):
   continues), is a code problem; the demo's HumanEval rows count as such.
 """
 
+from .epochs import best_epoch, held_out_losses
 from .metrics import heldout_loss, mc_accuracy, pass_at_1
 from .stage import EvaluateOutput, Evaluator, evaluate_model_path, ray_evaluator, run
 from .tasks import eval_tasks
@@ -29,8 +30,10 @@ from .tasks import eval_tasks
 __all__ = [
     "EvaluateOutput",
     "Evaluator",
+    "best_epoch",
     "eval_tasks",
     "evaluate_model_path",
+    "held_out_losses",
     "heldout_loss",
     "mc_accuracy",
     "pass_at_1",

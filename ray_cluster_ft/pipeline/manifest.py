@@ -71,7 +71,7 @@ def feature_counts(sketch: dict | None) -> dict:
 
 
 def pipeline_manifest(cfg, run_dir: Path, timer: StageTimer, *, spec: dict, resumed: bool, models: dict, data,
-                      features, cluster, select, allocate, train, before, after) -> dict:
+                      features, cluster, select, allocate, train, before, after, epochs=None) -> dict:
     """The manifest of a run from its stages' outputs: config, seeds, versions, counts, budget, checks,
     evaluation, training figures and timings (``timings["total"]`` is set here).
 
@@ -96,6 +96,8 @@ def pipeline_manifest(cfg, run_dir: Path, timer: StageTimer, *, spec: dict, resu
         train: the :class:`~ray_cluster_ft.train.TrainOutput`, or None (plan only).
         before, after: the :class:`~ray_cluster_ft.evaluate.EvaluateOutput` before and after training, or None
             (plan only).
+        epochs: with ``evaluation.every_epoch``, the per-epoch rows (the manifest's ``eval_epochs``; the best
+            one's epoch and model folder go to ``eval.best_epoch`` and ``eval.best_model``), else None.
 
     Returns:
         The manifest dict, keys in the order ``manifest.json`` has them.
@@ -137,7 +139,8 @@ def pipeline_manifest(cfg, run_dir: Path, timer: StageTimer, *, spec: dict, resu
             **feature_counts(manifest.get("sketch")),
         },
         budget={"requested": requested, "planned": n_sel, "rounded_down_by": dropped,
-                "tokens_requested": budget["tokens_requested"]},
+                "tokens_requested": budget["tokens_requested"],
+                **{k: budget[k] for k in ("groups", "group_quotas") if k in budget}},
         checks=check,
         eval={"before": (before.summary if before else None) or {}, "after": (after.summary if after else None) or {}},
         eval_files=_eval_files(data, before, after),
@@ -146,6 +149,10 @@ def pipeline_manifest(cfg, run_dir: Path, timer: StageTimer, *, spec: dict, resu
                "selection": cfg.selection.seed, "allocation": cfg.allocation.seed, "train": cfg.train.seed},
         versions=versions(),
     )
+    if epochs is not None:
+        best = next((e for e in epochs if e["best"]), None)
+        manifest["eval"].update(best_epoch=best["epoch"] if best else None, best_model=best["model"] if best else None)
+        manifest["eval_epochs"] = epochs
     manifest["timings_s"] = timer.finish()
     return manifest
 

@@ -70,7 +70,7 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     clustered = needs_clusters(cfg)
     check_module_patterns(cfg, ds.model_path, clustered)
 
-    feats = clusters = trained = before = after = None
+    feats = clusters = trained = before = after = epochs = None
     with ray_session(address, cfg.train.use_gpu) as started_ray:
         # A plan for any world size may be made on a laptop: only training needs the workers' resources.
         if started_ray and not plan_only and not (address or os.environ.get("RAY_ADDRESS")):
@@ -94,10 +94,10 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
                                  n_tokens=n_tokens, selected=np.asarray(sel.result.indices),
                                  reasons=sel.result.reasons, expected_plan_hash=old_hash)
         if not plan_only:
-            before, trained, after = _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume)
+            before, trained, after, epochs = _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume)
     manifest = pipeline_manifest(cfg, run_dir, timer, spec=spec, resumed=resume, models=models, data=ds,
                                  features=feats, cluster=clusters, select=sel, allocate=alloc, train=trained,
-                                 before=before, after=after)
+                                 before=before, after=after, epochs=epochs)
     return _finish(run_dir, manifest, alloc, labels, sel, trained)
 
 
@@ -174,8 +174,8 @@ def _features(cfg: JobConfig, run_dir: Path, ds, timer: StageTimer):
 
 
 def _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume) -> tuple:
-    """Held-out scores of the base model, training, and held-out scores of the trained model:
-    ``(EvaluateOutput, TrainOutput, EvaluateOutput)``."""
+    """Held-out scores of the base model, training, and held-out scores of the trained model (and of every epoch's
+    with ``evaluation.every_epoch``): ``(EvaluateOutput, TrainOutput, EvaluateOutput, eval_epochs or None)``."""
     evaluator = evaluator or evaluate.ray_evaluator(cfg, ds.pad_token_id)
     held = ds.result.eval
     ev = cfg.evaluation
@@ -189,7 +189,30 @@ def _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume) -> tu
     with timer.stage("evaluate_after"):
         final = trained.result.final_model_dir
         after = evaluate.run(cfg, run_dir, model_path=str(final) if final else None, when="after", **scoring)
-    return before, trained, after
+        epochs = _evaluate_epochs(cfg, run_dir, final, after, scoring) if cfg.evaluation.every_epoch else None
+    return before, trained, after, epochs
+
+
+def _evaluate_epochs(cfg, run_dir: Path, final, after, scoring: dict) -> list[dict]:
+    """``evaluation.every_epoch``: every epoch's saved model scored like the final one (the last epoch's scores
+    are ``after``'s), the held-out losses of each (:func:`ray_cluster_ft.evaluate.held_out_losses`), and every
+    epoch folder but the best one removed. Returns the manifest's ``eval_epochs``, in epoch order, each
+    ``{"epoch", "model", "heldout", "files", "macro_loss", "token_loss", "basis", "best"}``."""
+    import shutil
+
+    folders = sorted((run_dir / "epochs").glob("epoch*"), key=lambda p: int(p.name.removeprefix("epoch")))
+    outs = [(int(p.name.removeprefix("epoch")), p,
+             evaluate.run(cfg, run_dir, model_path=str(p), when=p.name, **scoring)) for p in folders]
+    outs.append((len(folders) + 1, final, after))
+    rows = [{"epoch": e, "model": str(path) if path else None, "heldout": out.metrics, "files": out.files,
+             **evaluate.held_out_losses(out.metrics, out.files)} for e, path, out in outs]
+    best = evaluate.best_epoch(rows)
+    for row, (e, path, _) in zip(rows, outs):
+        row["best"] = e == best
+        if path is not None and e != best and path != final:
+            shutil.rmtree(path, ignore_errors=True)
+            row["model"] = None
+    return rows
 
 
 def _finish(run_dir: Path, manifest: dict, alloc, labels, sel, trained) -> dict:

@@ -21,6 +21,7 @@ All functions are pure and deterministic for a given seed; the stage's edge is :
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -35,7 +36,9 @@ from .within import DISTANCE_ORDERS, select_within
 
 __all__ = [
     "SelectionResult",
+    "cluster_groups",
     "equalize_count",
+    "group_quotas",
     "select",
     "selection_weights",
     "token_budget_count",
@@ -58,12 +61,15 @@ class SelectionResult:
             labels were given. With a token budget, the rows picked per cluster.
         token_quotas: int64 (k,) per cluster, with a token budget and ``balanced``: the water-filled token
             quotas (:func:`water_fill_quotas` over the clusters' token totals); otherwise None.
+        groups: int64 (k,) the group of every cluster when ``balanced`` shared the budget between groups first
+            (:func:`cluster_groups`), else None.
     """
 
     indices: np.ndarray
     reasons: np.ndarray
     quotas: Optional[np.ndarray]
     token_quotas: Optional[np.ndarray] = None
+    groups: Optional[np.ndarray] = None
 
 
 def water_fill_quotas(sizes, budget: int) -> np.ndarray:
@@ -123,6 +129,111 @@ def water_fill_quotas(sizes, budget: int) -> np.ndarray:
         order = above[np.lexsort((above, -s[above]))]  # largest first, then lowest index
         quotas[order[:rest]] += 1
     return quotas
+
+
+_MAX_AUTO_GROUPS = 8
+_SILHOUETTE_ROWS = 2048  # rows sampled for the silhouette of ``groups: auto``: O(rows^2) distances
+
+
+def cluster_groups(x, labels, groups, seed: int = 0) -> np.ndarray:
+    """Groups of similar clusters, the upper level of hierarchical balanced sampling.
+
+    Flat equal shares per cluster are not equal shares per kind of row: a kind of row that k-means splits over
+    many clusters (long medical answers of many lengths, say) gets a share per cluster, a kind held by one
+    cluster gets one. Grouping the clusters first and sharing the budget equally between the groups, then
+    between the clusters of each group (:func:`group_quotas`), is the hierarchical balanced sampling of Vo et
+    al., "Automatic Data Curation for Self-Supervised Learning: A Clustering-Based Approach" (TMLR 2024,
+    arXiv 2405.15613, Sec. 4: k-means applied again to the centroids, then balanced sampling level by level),
+    with the upper level cut from an average-linkage tree of the cluster centroids under cosine distance
+    (a deterministic cut instead of a second k-means, so a given ``groups`` always nests).
+
+    Args:
+        x: float (N, d) features (rows need not be normalised).
+        labels: int (N,) clusters 0..k-1, every cluster non-empty.
+        groups: ``"auto"``: the cut with 2..min(8, k - 1) groups whose rows have the highest mean silhouette
+            (cosine; on a seeded sample of at most 2,048 rows); an int g: g groups (capped at k); 1 = one
+            group (flat).
+        seed: seed of the silhouette sample.
+
+    Returns:
+        int64 (k,) group of each cluster, 0..g-1 in the order of each group's lowest cluster index.
+
+    Raises:
+        ValueError: shapes disagree, a cluster is empty, ``groups`` is neither "auto" nor a positive int.
+    """
+    from scipy.cluster.hierarchy import fcluster, linkage
+
+    lab = np.asarray(labels)
+    xa = np.asarray(x, dtype=np.float64)
+    if xa.ndim != 2 or lab.shape != (xa.shape[0],):
+        raise ValueError(f"x must be (N, d) and labels (N,), got {xa.shape} and {lab.shape}")
+    k = int(lab.max()) + 1 if lab.size else 0
+    sizes = np.bincount(lab, minlength=k)
+    if (sizes == 0).any():
+        raise ValueError("every cluster needs at least one row")
+    if groups != "auto" and not (isinstance(groups, (int, np.integer)) and groups >= 1):
+        raise ValueError(f"groups must be 'auto' or a positive integer, got {groups!r}")
+    if k <= 2 or groups == 1:
+        return np.zeros(k, dtype=np.int64)
+    xn = xa / np.maximum(np.linalg.norm(xa, axis=1, keepdims=True), 1e-12)
+    cent = np.zeros((k, xa.shape[1]))
+    np.add.at(cent, lab, xn)
+    cent /= np.maximum(np.linalg.norm(cent, axis=1, keepdims=True), 1e-12)
+    tree = linkage(cent, method="average", metric="cosine")
+
+    def cut(g: int) -> np.ndarray:
+        raw = fcluster(tree, t=g, criterion="maxclust")
+        _, first = np.unique(raw, return_index=True)  # renumber by each group's lowest cluster index
+        rank = np.empty(raw.max() + 1, dtype=np.int64)
+        rank[raw[np.sort(first)]] = np.arange(first.size)
+        return rank[raw]
+
+    if groups != "auto":
+        return cut(min(int(groups), k))
+    from sklearn.metrics import silhouette_score
+
+    rows = np.arange(lab.size)
+    if lab.size > _SILHOUETTE_ROWS:
+        rows = np.sort(np.random.default_rng(seed).choice(lab.size, _SILHOUETTE_ROWS, replace=False))
+    best, best_score = np.zeros(k, dtype=np.int64), -np.inf
+    for g in range(2, min(_MAX_AUTO_GROUPS, k - 1) + 1):
+        grp = cut(g)
+        row_groups = grp[lab[rows]]
+        if np.unique(row_groups).size < 2:
+            continue
+        score = float(silhouette_score(xn[rows], row_groups, metric="cosine"))
+        if score > best_score + 1e-12:  # ties keep the fewer groups
+            best, best_score = grp, score
+    return best
+
+
+def group_quotas(sizes, groups, budget: int) -> np.ndarray:
+    """Two-level water-filling: :func:`water_fill_quotas` between the groups' totals, then inside each group
+    between its clusters with the group's quota.
+
+    Args:
+        sizes: int (k,) per-cluster totals (rows, or tokens for a token budget).
+        groups: int (k,) group of every cluster (:func:`cluster_groups`).
+        budget: 0 <= budget <= sum(sizes).
+
+    Returns:
+        int64 (k,) quotas: sum == budget, quota <= size; groups not taken whole get equal shares (within one)
+        and so do the clusters not taken whole inside one group.
+
+    Raises:
+        ValueError: as :func:`water_fill_quotas`; shapes disagree.
+    """
+    s = np.asarray(sizes, dtype=np.int64)
+    grp = np.asarray(groups, dtype=np.int64)
+    if grp.shape != s.shape:
+        raise ValueError(f"groups must have shape {s.shape}, got {grp.shape}")
+    g = int(grp.max()) + 1 if grp.size else 0
+    per_group = water_fill_quotas(np.bincount(grp, weights=s, minlength=g).astype(np.int64), budget)
+    out = np.zeros_like(s)
+    for j in range(g):
+        members = np.flatnonzero(grp == j)
+        out[members] = water_fill_quotas(s[members], int(per_group[j]))
+    return out
 
 
 def equalize_count(sizes, ratio: float, micro_batch_size: int) -> int:
@@ -224,6 +335,7 @@ def select(
     micro_batch_size: int = 1,
     n_tokens=None,
     budget_tokens: Optional[int] = None,
+    groups=None,
 ) -> SelectionResult:
     """The Select stage.
 
@@ -256,6 +368,9 @@ def select(
             ``within`` pick order while their tokens fit the quota (see :func:`_select_tokens_within`).
             ``random``: a seeded permutation of the rows, taken in order while the tokens fit the budget (the
             longest prefix within it).
+        groups: ``balanced`` only: ``None`` = flat (every cluster one share); ``"auto"`` or a count: the budget
+            (rows or tokens) is shared between groups of similar clusters first (:func:`cluster_groups`,
+            :func:`group_quotas`); needs ``x``.
 
     Returns:
         :class:`SelectionResult` (indices sorted ascending, reasons aligned, per-cluster quotas).
@@ -299,13 +414,17 @@ def select(
     xa = None if x is None else np.asarray(x)
     if strategy == "equalize":
         quotas = np.full(k, equalize_count(sizes, ratio, micro_batch_size), dtype=np.int64)
-    elif nt is not None:
-        token_totals = np.bincount(lab, weights=nt, minlength=k).astype(np.int64)
-        quotas = water_fill_quotas(token_totals, budget_tokens)
-        return _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed, nt=nt)
-    else:
-        quotas = water_fill_quotas(sizes, budget)
-    return _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed)
+        return _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed)
+    grp = None
+    if groups is not None:
+        if xa is None:
+            raise ValueError("groups needs x: the groups are cut from the clusters' mean features")
+        grp = cluster_groups(xa, lab, groups, seed)
+    totals = sizes if nt is None else np.bincount(lab, weights=nt, minlength=k).astype(np.int64)
+    want = budget if nt is None else budget_tokens
+    quotas = water_fill_quotas(totals, want) if grp is None else group_quotas(totals, grp, want)
+    res = _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed, nt=nt)
+    return res if grp is None else dataclasses.replace(res, groups=grp)
 
 
 def _checked_labels(labels) -> np.ndarray | None:

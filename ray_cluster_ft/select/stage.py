@@ -32,8 +32,16 @@ class SelectOutput:
 
     @property
     def summary(self) -> dict:
-        """``{"requested", "tokens_requested"}``: the manifest's ``budget`` takes both."""
-        return {"requested": int(self.requested), "tokens_requested": self.tokens_requested}
+        """``{"requested", "tokens_requested"}``, and with ``selection.groups`` ``"groups"``: the group of every
+        cluster and ``"group_quotas"``, what each group was given (rows, or tokens with a token budget). The
+        manifest's ``budget`` takes them."""
+        out = {"requested": int(self.requested), "tokens_requested": self.tokens_requested}
+        r = self.result
+        if r.groups is not None:
+            quotas = r.token_quotas if r.token_quotas is not None else r.quotas
+            out["groups"] = r.groups.tolist()
+            out["group_quotas"] = np.bincount(r.groups, weights=quotas).astype(np.int64).tolist()
+        return out
 
 
 def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, dist=None,
@@ -87,7 +95,7 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
                               "n_tokens")
         want = token_budget_count(s.budget_tokens, int(np.asarray(n_tokens, dtype=np.int64).sum()))
         res = select(s.strategy, sketches, labels, dist, within=s.within, dedup_threshold=s.dedup_threshold,
-                     seed=s.seed, n_tokens=n_tokens, budget_tokens=want)
+                     seed=s.seed, n_tokens=n_tokens, budget_tokens=want, groups=s.groups)
         t = cfg.train
         need = t.num_workers * t.grad_accum * (1 if cfg.allocation.packing else t.micro_batch_size)
         if res.indices.size < need:
@@ -98,5 +106,5 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
         return SelectOutput(int(res.indices.size), res, want)
     requested = n_candidates if s.strategy == "full" else budget_count(s.budget, n_candidates)
     res = select(s.strategy, sketches, labels, dist, requested, within=s.within, dedup_threshold=s.dedup_threshold,
-                 seed=s.seed)
+                 seed=s.seed, groups=s.groups if s.strategy == "balanced" else None)
     return SelectOutput(requested, res)

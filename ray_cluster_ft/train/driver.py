@@ -164,7 +164,7 @@ def _clear_run_dir(run_dir: str | Path, resume: bool) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     # Ray Train resumes from any checkpoint under the same RunConfig(name, storage_path): a fresh run must
     # not find the last run's.
-    for stale in ["final_model"] if resume else ["trained", "final_model", "ray_train"]:
+    for stale in ["final_model"] if resume else ["trained", "final_model", "ray_train", "epochs"]:
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     (run_dir / "trained").mkdir(exist_ok=True)
     for stale in ("trained.parquet",) if resume else ("train_log.jsonl", "trained.parquet"):
@@ -204,6 +204,7 @@ def train(
     weights: pd.Series | None = None,
     attn_implementation: str | None = None,
     packing: bool = False,
+    save_epoch_models: bool = False,
 ) -> TrainResult:
     """Train ``model_path`` on exactly the planned micro-batches with Ray Train + DeepSpeed.
 
@@ -234,6 +235,9 @@ def train(
             ``(rank, step, micro_index)``, at most ``cfg.max_tokens_per_micro_batch`` tokens each (when set), each
             trained as one padding-free sequence with ``position_ids`` restarting per example
             (:func:`ray_cluster_ft.data.collate.pack`). ``cfg.micro_batch_size`` is then not a row count.
+        save_epoch_models: at the end of every epoch but the last, rank 0 also writes the model (HF format, LoRA
+            adapters merged, with the tokenizer) to ``run_dir/epochs/epoch{e}`` (e = 1, 2, ...), for the per-epoch
+            evaluation (``evaluation.every_epoch``); the last epoch's model is ``final_model``.
         resume: continue from the newest complete checkpoint under ``run_dir/ray_train`` (a stopped run of the
             same plan: Ray's latest, or a newer complete one on disk; incomplete ones are skipped and reported);
             False starts clean, deleting that run's checkpoints and logs. Checkpoints other than the final one
@@ -278,7 +282,7 @@ def train(
     trainer = _trainer(cfg, tables, run_dir, _loop_config(
         cfg, total_steps, model_dir=model_dir, run_dir=run_dir, plan_hash=this_plan, resume_checkpoint=resume_from,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, save_model=save_model,
-        pad_token_id=pad_token_id, packing=packing))
+        pad_token_id=pad_token_id, packing=packing, epoch_ends=_epoch_ends(plan) if save_epoch_models else {}))
     t0 = time.perf_counter()
     result = _fit(trainer)
     seconds = time.perf_counter() - t0
@@ -294,7 +298,7 @@ def train(
 
 def _loop_config(cfg: TrainConfig, total_steps: int, *, model_dir: str, run_dir: Path, plan_hash: str,
                  resume_checkpoint, attn_implementation, trust_remote_code: bool, save_model: bool,
-                 pad_token_id: int, packing: bool) -> dict:
+                 pad_token_id: int, packing: bool, epoch_ends: dict) -> dict:
     """The ``train_loop_config`` every worker gets (:func:`ray_cluster_ft.train.loop.train_loop_per_worker`): the
     train section, the DeepSpeed dict built once here on the driver, and the run's facts."""
     return {
@@ -314,7 +318,14 @@ def _loop_config(cfg: TrainConfig, total_steps: int, *, model_dir: str, run_dir:
         "fail_at_step": os.environ.get(FAIL_AT_STEP_ENV),
         "resume_checkpoint": resume_checkpoint,
         "packing": bool(packing),
+        "epoch_ends": epoch_ends,
     }
+
+
+def _epoch_ends(plan: pd.DataFrame) -> dict[int, int]:
+    """``{last global step of epoch e: e}`` for every epoch but the last (the plan's steps are global)."""
+    last = plan.groupby("epoch")["step"].max().sort_index()
+    return {int(step): int(epoch) for epoch, step in last.iloc[:-1].items()}
 
 
 def _train_result(run_dir: Path, cfg: TrainConfig, metrics: dict, total_steps: int, seconds: float,
@@ -332,7 +343,8 @@ def _train_result(run_dir: Path, cfg: TrainConfig, metrics: dict, total_steps: i
     final_dir = None
     if tokenizer is not None:
         final_dir = run_dir / "final_model"
-        tokenizer.save_pretrained(final_dir)
+        for folder in [final_dir, *sorted((run_dir / "epochs").glob("epoch*"))]:
+            tokenizer.save_pretrained(folder)
     per_rank = np.asarray(log["step_time_s_per_rank"].tolist(), dtype=np.float64)  # (steps, world)
     waits = np.asarray(log["wait_s_per_rank"].tolist(), dtype=np.float64)
     return TrainResult(
@@ -419,11 +431,13 @@ def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_p
     """
     from ..rundir import claim
 
-    claim(run_dir, "trained", "trained.parquet", "train_log.jsonl", "ray_train", "final_model", ".fault_injected")
+    claim(run_dir, "trained", "trained.parquet", "train_log.jsonl", "ray_train", "final_model", "epochs",
+          ".fault_injected")
     ids = np.asarray(candidates.column("example_id").to_pylist())
     planned = candidates.filter(pa.array(np.isin(ids, plan["example_id"].unique())))
     res = train(plan, planned, cfg.train, model_path, run_dir, trust_remote_code=cfg.model.trust_remote_code,
                 save_model=cfg.output.save_model, pad_token_id=pad_token_id, resume=resume,
                 weights=weights if cfg.train.loss_weighting == "cluster" else None,
-                attn_implementation=cfg.model.attn_implementation, packing=cfg.allocation.packing)
+                attn_implementation=cfg.model.attn_implementation, packing=cfg.allocation.packing,
+                save_epoch_models=cfg.evaluation.every_epoch and cfg.output.save_model)
     return TrainOutput(res, verify_trained(plan, pd.read_parquet(Path(run_dir) / "trained.parquet")))

@@ -406,9 +406,7 @@ def train_loop_per_worker(config: dict) -> None:
             if log_fh is not None:
                 _log_step(log_fh, _log_row(step, epoch, g, compute, wait, step_lr), steps_done, total_steps,
                           cfg.log_every, float(wait.max()))
-            if cfg.checkpoint_every and steps_done % cfg.checkpoint_every == 0 and steps_done < total_steps:
-                trained_fh.flush()
-                _checkpoint(engine, rank, done, steps_done, config["plan_hash"], metrics, rows_done)
+            _after_step(engine, config, cfg, rank, (done, steps_done, rows_done), metrics, trained_fh)
         if done != n_micro:
             raise RuntimeError(f"rank {rank}: trained {done} micro-batches, the plan has {n_micro}")
     finally:
@@ -494,6 +492,21 @@ def _log_step(log_fh, row: dict, steps_done: int, total_steps: int, log_every: i
               f"wait {wait_max:.2f}s", flush=True)
 
 
+def _after_step(engine, config: dict, cfg, rank: int, position: tuple, metrics: dict, trained_fh) -> None:
+    """What follows an optimizer step: a checkpoint every ``train.checkpoint_every`` steps (not after the last:
+    the final one follows), and at the end of every epoch but the last, with ``config["epoch_ends"]`` (global
+    step -> epoch), the model saved as ``run_dir/epochs/epoch{epoch + 1}`` for the per-epoch evaluation.
+    ``position``: ``(micro-batches done, steps done, rows done)``."""
+    done, steps_done, rows_done = position
+    if cfg.checkpoint_every and steps_done % cfg.checkpoint_every == 0 and steps_done < config["total_steps"]:
+        trained_fh.flush()
+        _checkpoint(engine, rank, done, steps_done, config["plan_hash"], metrics, rows_done)
+    epoch = config.get("epoch_ends", {}).get(metrics["step"])
+    if epoch is not None:
+        _save_hf_model(engine, Path(config["run_dir"]) / "epochs" / f"epoch{epoch + 1}", rank, cfg.zero_stage,
+                       merge_lora=cfg.lora.enabled, keep_training=True)
+
+
 def _finish_rank(engine, config: dict, cfg, rank: int, final: dict, done: int, start: int, rows_done: int) -> None:
     """The final checkpoint (or a last report), then the model saved."""
     import ray.train
@@ -533,16 +546,20 @@ def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default")
     return out
 
 
-def _save_hf_model(engine, dest: Path, rank: int, zero_stage: int, merge_lora: bool = False) -> None:
+def _save_hf_model(engine, dest: Path, rank: int, zero_stage: int, merge_lora: bool = False,
+                   keep_training: bool = False) -> None:
     """Rank 0 writes ``engine.module`` with ``save_pretrained`` (for a peft model: the adapter, or with
     ``merge_lora`` the base model with the adapters merged in). Under ZeRO-3 the weights come from DeepSpeed's
     16-bit consolidation (``_zero3_consolidated_16bit_state_dict``, enabled by
     ``stage3_gather_16bit_weights_on_model_save``): gathered one module at a time onto rank 0 and moved to its
-    host memory, so no rank ever holds every parameter on its GPU at once. A collective: all ranks must call it."""
-    if zero_stage == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()
+    host memory, so no rank ever holds every parameter on its GPU at once. A collective: all ranks must call it.
+    ``keep_training``: training goes on after the save, so LoRA adapters are merged into a copy of the state dict
+    (:func:`merge_lora_state_dict`) instead of into the live module."""
+    if zero_stage == 3 or (merge_lora and keep_training):
+        state = engine._zero3_consolidated_16bit_state_dict() if zero_stage == 3 else None
         if rank != 0:
             return
+        state = engine.module.state_dict() if state is None else state
         module = engine.module
         if merge_lora:
             peft_cfg = module.peft_config["default"]

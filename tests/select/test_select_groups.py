@@ -1,0 +1,91 @@
+"""Hierarchical balanced sampling (``selection.groups``): the budget is shared between groups of similar
+clusters first, then between the clusters of each group."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_cluster_ft.config import ConfigError, parse_config
+from ray_cluster_ft.select.quotas import cluster_groups, group_quotas, select, water_fill_quotas
+
+
+def _two_kinds(seed: int = 0):
+    """Rows of two kinds far apart: kind A split over three nearby clusters (60 rows each), kind B one
+    cluster of 20 rows. Returns (x (200, 16), labels (200,), dist (200,))."""
+    rng = np.random.default_rng(seed)
+    a, b = np.zeros(16), np.zeros(16)
+    a[0], b[1] = 1.0, 1.0
+    centres = [a + 0.25 * np.eye(16)[2 + j] for j in range(3)] + [b]
+    sizes = [60, 60, 60, 20]
+    x = np.concatenate([c + 0.03 * rng.standard_normal((n, 16)) for c, n in zip(centres, sizes)])
+    labels = np.repeat(np.arange(4), sizes)
+    xn = x / np.linalg.norm(x, axis=1, keepdims=True)
+    cent = np.stack([xn[labels == c].mean(0) for c in range(4)])
+    cent /= np.linalg.norm(cent, axis=1, keepdims=True)
+    dist = 1.0 - np.einsum("ij,ij->i", xn, cent[labels])
+    return x.astype(np.float32), labels, dist.astype(np.float32)
+
+
+def test_group_quotas_share_between_groups_then_clusters():
+    # groups' totals 30 and 2: budget 8 -> 6 and 2 (the small group whole), then 2 + 2 + 2 inside group 0
+    assert group_quotas([10, 10, 10, 2], [0, 0, 0, 1], 8).tolist() == [2, 2, 2, 2]
+    assert group_quotas([10, 10, 10, 2], [0, 0, 0, 1], 20).tolist() == [6, 6, 6, 2]
+    # two groups of two: 9 between totals 12 and 12 -> 5 (the lower group index gets the extra one) and 4
+    assert group_quotas([6, 6, 10, 2], [0, 0, 1, 1], 9).tolist() == [3, 2, 2, 2]
+    # one group is plain water-filling
+    s = np.array([5, 17, 3, 40])
+    assert group_quotas(s, [0, 0, 0, 0], 30).tolist() == water_fill_quotas(s, 30).tolist()
+    with pytest.raises(ValueError):
+        group_quotas([1, 2], [0], 2)
+
+
+def test_auto_groups_find_the_two_kinds_and_an_int_cuts_the_same_tree():
+    x, labels, _ = _two_kinds()
+    assert cluster_groups(x, labels, "auto").tolist() == [0, 0, 0, 1]
+    assert cluster_groups(x, labels, 2).tolist() == [0, 0, 0, 1]
+    assert cluster_groups(x, labels, 1).tolist() == [0, 0, 0, 0]
+    assert sorted(set(cluster_groups(x, labels, 4).tolist())) == [0, 1, 2, 3]
+    assert cluster_groups(x, labels, 99).tolist() == cluster_groups(x, labels, 4).tolist()  # capped at k
+    with pytest.raises(ValueError):
+        cluster_groups(x, labels, 0)
+    with pytest.raises(ValueError):
+        cluster_groups(x, np.where(labels == 1, 2, labels), "auto")  # cluster 1 empty
+
+
+def test_balanced_with_groups_gives_each_kind_half_the_budget():
+    x, labels, dist = _two_kinds()
+    flat = select("balanced", x, labels, dist, budget=40, within="random", seed=3)
+    grouped = select("balanced", x, labels, dist, budget=40, within="random", seed=3, groups="auto")
+    # flat: 10 per cluster, so kind B (one cluster of four) gets a quarter; grouped: B gets 20 = all its rows
+    assert np.bincount(labels[flat.indices], minlength=4).tolist() == [10, 10, 10, 10]
+    assert np.bincount(labels[grouped.indices], minlength=4).tolist() == [7, 7, 6, 20]
+    assert grouped.groups.tolist() == [0, 0, 0, 1] and flat.groups is None
+    assert grouped.quotas.tolist() == [7, 7, 6, 20]
+    again = select("balanced", x, labels, dist, budget=40, within="random", seed=3, groups="auto")
+    assert again.indices.tolist() == grouped.indices.tolist()
+    one = select("balanced", x, labels, dist, budget=40, within="random", seed=3, groups=1)
+    assert one.indices.tolist() == flat.indices.tolist()
+
+
+def test_groups_with_a_token_budget_share_tokens_between_groups():
+    x, labels, dist = _two_kinds()
+    nt = np.where(labels == 3, 50, 10).astype(np.int64)  # kind B: 20 rows x 50 tokens = 1,000 tokens
+    res = select("balanced", x, labels, dist, within="random", seed=0, n_tokens=nt, budget_tokens=800,
+                 groups="auto")
+    by_group = [int(nt[res.indices][labels[res.indices] < 3].sum()), int(nt[res.indices][labels[res.indices] == 3].sum())]
+    # 400 tokens a group; inside group A 134 + 133 + 133, of which whole 10-token rows fill 130 each
+    assert res.token_quotas.tolist() == [134, 133, 133, 400]
+    assert by_group == [390, 400]
+
+
+def test_groups_config_is_checked():
+    base = {"selection": {"strategy": "balanced", "groups": "auto"}}
+    assert parse_config(base).selection.groups == "auto"
+    assert parse_config({"selection": {"groups": 3}}).selection.groups == 3
+    with pytest.raises(ConfigError, match="groups"):
+        parse_config({"selection": {"strategy": "random", "groups": "auto"}})
+    with pytest.raises(ConfigError, match="groups"):
+        parse_config({"selection": {"groups": 0}})
+    with pytest.raises(ConfigError, match="groups"):
+        parse_config({"selection": {"groups": "many"}})
