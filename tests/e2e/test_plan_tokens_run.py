@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-FIXTURE = Path(__file__).parent / "fixtures" / "mixed_120.jsonl"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "mixed_120.jsonl"
 
 
 def test_plan_only_run_with_a_token_budget_and_packing(tmp_path, tiny_model_dir):

@@ -34,7 +34,7 @@ from tests.conftest import free_port
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _can_unshare_mounts() -> str | None:

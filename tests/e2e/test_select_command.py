@@ -15,15 +15,17 @@ import yaml
 from ray_cluster_ft.data import canonicalize, example_id
 from ray_cluster_ft.rundir import read_ledger
 
-from .test_plan_pin import (
+from tests._pins import (
     FILES_FULL_PINNED,
     FILES_PINNED,
     FILES_SELECTED_PINNED,
     FIXTURE,
     PINNED_COLUMNS,
+    SELECTED,
     content_hash,
     files_spec,
-    full_hashes,
+    full_pins,
+    assert_full_pins,
     matches_pins,
 )
 
@@ -49,8 +51,8 @@ def test_select_writes_what_plan_only_writes(selected):
     out, _, _ = selected
     got = {name: content_hash(out / f"{name}.parquet", cols)[:16] for name, cols in PINNED_COLUMNS.items()}
     assert matches_pins(got, FILES_PINNED, "files")
-    assert full_hashes(out) == FILES_FULL_PINNED
-    assert full_hashes(out, FILES_SELECTED_PINNED) == FILES_SELECTED_PINNED
+    assert_full_pins(full_pins(out), FILES_FULL_PINNED)
+    assert_full_pins(full_pins(out, SELECTED), FILES_SELECTED_PINNED)
     assert json.loads((out / "manifest.json").read_text())["counts"]["trained"] == 0
     assert not (out / "trained.parquet").exists()
 

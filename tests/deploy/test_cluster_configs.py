@@ -20,7 +20,7 @@ import yaml
 
 from ray_cluster_ft.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "cluster_configs"
 LAUNCHER = sorted(p for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("kuberay-"))
 KUBERAY = sorted(CONFIG_DIR.glob("kuberay-*.yaml"))

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from .test_plan_pin import FILES_PINNED, PINNED_COLUMNS, content_hash, files_spec, matches_pins
+from tests._pins import FILES_PINNED, PINNED_COLUMNS, content_hash, files_spec, matches_pins
 
 
 def _cli(*argv):

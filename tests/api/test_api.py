@@ -19,9 +19,9 @@ from ray_cluster_ft.features import read_sketches
 from ray_cluster_ft.features.stage import finish_features
 from tests.conftest import local_ray_kwargs
 
-from .test_plan_pin import FIXTURE, files_spec
+from tests._pins import FIXTURE, files_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ def test_defaults_and_demo_spec_load():
 def test_jobs_demo_is_the_packaged_demo():
     from pathlib import Path
 
-    jobs = Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml"
+    jobs = Path(__file__).resolve().parents[2] / "jobs" / "demo.yaml"
     assert jobs.read_text() == demo_config_path().read_text()
 
 

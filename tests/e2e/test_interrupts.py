@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from .test_plan_pin import FIXTURE
+from tests._pins import FIXTURE
 
 pytestmark = pytest.mark.slow
 
