@@ -1,4 +1,5 @@
-"""Cost of a gradient sketch against one training step, measured in one run on the same batches.
+"""Cost of a gradient sketch and of the forward-only features against one training step, measured in one run on
+the same batches.
 
 For the demo model (SmolLM2-135M-Instruct, fp32) and ``--batches`` batches of ``--batch`` x ``--seq`` tokens
 (real mbpp + medquad rows of exactly ``--seq`` tokens after truncation, loss on their response tokens; random
@@ -13,9 +14,14 @@ tokens with a 64-token prompt where the shared data is absent), three computatio
   (c) step: one plain training forward + backward with weight gradients of every parameter (Hugging Face
       loss over the batch, no optimizer step);
   (d) last_layer: ``last_layer_features``, CluSTER's last-layer gradient proxy (``sketch.method: last_layer``;
-      Kim et al., arXiv 2609.12584): one inference-mode forward, no backward, no module settings. It is timed
-      once (not per sketch setting), interleaved with its own (c) on the same batches, and its ratio is to
-      that (c).
+      Kim et al., arXiv 2609.12584): one inference-mode forward, no backward, no module settings;
+  (e) hidden_mean: ``hidden_mean_features``, the RDS+ feature (``sketch.method: hidden_mean``; Ivison et al.
+      2025, arXiv 2503.01807): one inference-mode forward of the base transformer, no LM head, weighted pooling;
+  (f) forward: a plain inference-mode forward with logits (``model(...)``), so that (e) / (f) shows what leaving
+      the LM head out saves: ``lm_head_share_of_forward`` = 1 - (e) / (f).
+
+(d), (e) and (f) are timed once (not per sketch setting), interleaved with their own (c) on the same batches,
+and their ratios are to that (c).
 
 for two sketch settings: every block (``last_blocks: null``) and ``last_blocks: 4``, every projection
 (q, k, v, o, gate, up, down), k_in = k_out = ``--k``, final dim ``--dim``. (a) and (c) are timed ``--repeats``
@@ -36,8 +42,8 @@ Usage::
     python bench/sketch_throughput.py --device cuda --out bench/results/sketch_throughput_cuda.json
 
 The table goes to stdout; the last line is one JSON object with ``sketch_over_step_all``,
-``sketch_over_step_last4``, ``exact_over_sketch`` (all blocks), ``last_layer_ratio`` ((d) / (c)) and the rest,
-also written to ``--out``.
+``sketch_over_step_last4``, ``exact_over_sketch`` (all blocks), ``last_layer_ratio`` ((d) / (c)),
+``hidden_mean_ratio`` ((e) / (c)), ``lm_head_share_of_forward`` and the rest, also written to ``--out``.
 """
 
 from __future__ import annotations
@@ -154,20 +160,27 @@ def make_batches(n_batches: int, batch: int, seq: int, tokenizer, seed: int = 0)
     return out, source
 
 
-def _time_last_layer(meter, last_layer, step, batches, repeats: int) -> dict:
-    """(d) and a fresh (c), interleaved per batch, the minimum of ``repeats`` kept per batch and summed:
-    ``seconds``, ``step_seconds``, ``ratio`` (= seconds / step_seconds) and ``peak_mib`` of (d)."""
-    meter(lambda: last_layer(batches[0]))  # warm-up: first-call allocations, kernel selection
-    tl = np.full((len(batches), repeats), np.inf)
-    ts = np.full((len(batches), repeats), np.inf)
-    peak = 0.0
+def _time_forward_only(meter, fns: dict, step, batches, repeats: int) -> dict:
+    """Each forward-only computation of ``fns`` (name -> fn(batch)) and a fresh (c), interleaved per batch, the
+    minimum of ``repeats`` kept per batch and summed: per name ``seconds``, ``step_seconds``, ``ratio``
+    (= seconds / step_seconds) and ``peak_mib``."""
+    for fn in fns.values():
+        meter(lambda: fn(batches[0]))  # warm-up: first-call allocations, kernel selection
+    t = {name: np.full((len(batches), repeats), np.inf) for name in (*fns, "step")}
+    peak = dict.fromkeys(fns, 0.0)
     for r in range(repeats):
         for i, b in enumerate(batches):
-            _, tl[i, r], m = meter(lambda: last_layer(b))
-            peak = max(peak, m)
-            _, ts[i, r], _ = meter(lambda: step(b))
-    seconds, step_seconds = float(tl.min(axis=1).sum()), float(ts.min(axis=1).sum())
-    return {"seconds": seconds, "step_seconds": step_seconds, "ratio": seconds / step_seconds, "peak_mib": peak}
+            for name, fn in fns.items():
+                _, t[name][i, r], m = meter(lambda: fn(b))
+                peak[name] = max(peak[name], m)
+            _, t["step"][i, r], _ = meter(lambda: step(b))
+    step_seconds = float(t["step"].min(axis=1).sum())
+    out = {}
+    for name in fns:
+        seconds = float(t[name].min(axis=1).sum())
+        out[name] = {"seconds": seconds, "step_seconds": step_seconds, "ratio": seconds / step_seconds,
+                     "peak_mib": peak[name]}
+    return out
 
 
 def main() -> None:
@@ -192,6 +205,7 @@ def main() -> None:
 
     from ray_cluster_ft.features import make_projector, select_modules, sketch_batch
     from ray_cluster_ft.features.reference import weight_gradients
+    from ray_cluster_ft.features.hidden_mean import hidden_mean_features
     from ray_cluster_ft.features.last_layer import last_layer_features
     from ray_cluster_ft.features._sketch_ops import _finish
     from ray_cluster_ft.features.sketchers import _autocast
@@ -239,6 +253,14 @@ def main() -> None:
         with amp():
             return last_layer_features(model, *b)[0]
 
+    def hidden_mean(b):
+        with amp():
+            return hidden_mean_features(model, b[0], b[1], "weighted")
+
+    def forward(b):
+        with torch.inference_mode(), amp():
+            return model(input_ids=b[0], attention_mask=b[1], use_cache=False).logits
+
     n_tok = sum(int(b[1].sum()) for b in batches)
     n_ex = sum(len(b[0]) for b in batches)
     results = {}
@@ -267,8 +289,11 @@ def main() -> None:
                          "examples_per_s": {k: n_ex / v for k, v in t.items()},
                          "tokens_per_s": {k: n_tok / v for k, v in t.items()},
                          "sketch_over_step": t["sketch"] / t["step"], "exact_over_sketch": t["exact"] / t["sketch"]}
-    ll = _time_last_layer(meter, last_layer, step, batches, args.repeats)
-    ll.update(examples_per_s=n_ex / ll["seconds"], tokens_per_s=n_tok / ll["seconds"])
+    fwd = _time_forward_only(meter, {"last_layer": last_layer, "hidden_mean": hidden_mean, "forward": forward}, step,
+                             batches, args.repeats)
+    for r in fwd.values():
+        r.update(examples_per_s=n_ex / r["seconds"], tokens_per_s=n_tok / r["seconds"])
+    ll, hm = fwd["last_layer"], fwd["hidden_mean"]
     load_after = os.getloadavg()
 
     basis = "wall (CUDA synchronised)" if device.type == "cuda" else f"CPU process time, {args.threads} thread(s)"
@@ -286,9 +311,14 @@ def main() -> None:
             ratio = f"{r['exact_over_sketch']:.2f}" if comp == "exact" else ""
             print(f"| {name} | {r['modules']} | {label} | {r['seconds'][comp]:.2f} | {r['examples_per_s'][comp]:.3f} | "
                   f"{r['tokens_per_s'][comp]:.0f} | {r['peak_mib'][comp]:.0f} | {vs:.2f} | {ratio} |")
-    print(f"| - | - | (d) last-layer feature (CluSTER) | {ll['seconds']:.2f} | {ll['examples_per_s']:.3f} | "
-          f"{ll['tokens_per_s']:.0f} | {ll['peak_mib']:.0f} | {ll['ratio']:.2f} |  |")
-    print(f"(d) is timed against its own (c) run: {ll['step_seconds']:.2f} s")
+    for key, label in (("last_layer", "(d) last-layer feature (CluSTER)"), ("hidden_mean", "(e) hidden_mean (RDS+)"),
+                       ("forward", "(f) inference forward with logits")):
+        r = fwd[key]
+        print(f"| - | - | {label} | {r['seconds']:.2f} | {r['examples_per_s']:.3f} | {r['tokens_per_s']:.0f} | "
+              f"{r['peak_mib']:.0f} | {r['ratio']:.2f} |  |")
+    head_share = 1.0 - hm["seconds"] / fwd["forward"]["seconds"]
+    print(f"(d)-(f) are timed against their own (c) run: {ll['step_seconds']:.2f} s; the LM head's share of a "
+          f"forward, 1 - (e) / (f): {head_share:.3f}")
     print("sketch vs exact, max relative difference: " +
           ", ".join(f"{k} {v['sketch_vs_exact_rel_err']:.1e}" for k, v in results.items()))
     summary = {
@@ -301,6 +331,16 @@ def main() -> None:
         "last_layer_examples_per_s": round(ll["examples_per_s"], 4),
         "last_layer_tokens_per_s": round(ll["tokens_per_s"], 1),
         "last_layer_peak_mib": round(ll["peak_mib"], 1),
+        "hidden_mean_ratio": round(hm["ratio"], 4),
+        "hidden_mean_over_sketch_last4": round(hm["seconds"] / results["last4"]["seconds"]["sketch"], 4),
+        "hidden_mean_over_last_layer": round(hm["seconds"] / ll["seconds"], 4),
+        "hidden_mean_examples_per_s": round(hm["examples_per_s"], 4),
+        "hidden_mean_tokens_per_s": round(hm["tokens_per_s"], 1),
+        "hidden_mean_peak_mib": round(hm["peak_mib"], 1),
+        "forward_ratio": round(fwd["forward"]["ratio"], 4),
+        "forward_examples_per_s": round(fwd["forward"]["examples_per_s"], 4),
+        "lm_head_share_of_forward": round(head_share, 4),
+        "forward_only_step_examples_per_s": round(n_ex / ll["step_seconds"], 4),
         "device": device.type, "dtype": dt, "threads": args.threads, "time_basis": basis,
         "batches": args.batches, "batch": args.batch, "seq": args.seq, "k": args.k, "dim": args.dim,
         "data": source, "load_avg_1m_before": round(load_before[0], 2), "load_avg_1m_after": round(load_after[0], 2),

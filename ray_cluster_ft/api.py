@@ -35,8 +35,8 @@ class Features:
 
     Attributes:
         example_id: str ``(N,)``: :func:`ray_cluster_ft.data.example_id` of each row (a hash of its messages).
-        features: float32 ``(N, d)``: ``d`` = ``sketch.dim`` (gradient), the hidden size (last_layer) or 384
-            (embedding).
+        features: float32 ``(N, d)``: ``d`` = ``sketch.dim`` (sketch), the hidden size (last_layer,
+            hidden_mean) or 384 (embedding).
         n_tokens: int64 ``(N,)``: tokens of each row under the model's chat template.
     """
 
@@ -68,7 +68,8 @@ class Plan:
 def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *, world_size: int | None = None,
                      work_dir: str | None = None) -> Features:
     """The feature of every row, as the feature stage computes it (``sketch.method``: gradient sketch,
-    last-layer proxy or embedding), without a run directory.
+    last-layer proxy, pooled final hidden state (``hidden_mean``, RDS+) or embedding; at most
+    ``sketch.max_tokens`` tokens of a row), without a run directory.
 
     Without Ray (``ray.is_initialized()`` false) it runs in this process: the sketcher of
     :func:`~ray_cluster_ft.features.make_sketcher` over consecutive chunks of ``8 x sketch.batch_size`` rows
@@ -102,8 +103,8 @@ def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *
             table.
         ValueError: no rows; a row that the data stage would reject (named by position and reason); two rows
             with the same content; missing table columns; ``sketch.warmup_steps`` (not done here) or a proxy
-            ``sketch.model`` for ``gradient``/``last_layer`` (pass it as ``model``); ``last_layer`` without a
-            world size.
+            ``sketch.model`` for ``sketch``/``last_layer``/``hidden_mean`` (pass it as ``model``); ``last_layer``
+            without a world size.
         FileNotFoundError: the model (or the embedding package) is missing.
     """
     from .model import load_tokenizer, resolve_model_path

@@ -154,21 +154,41 @@ class ModelConfig(_Section):
 
 class SketchConfig(_Section):
     """Per-example features (docs/design.md, "Features"): the LoGra factorised gradient projection (Choe et al.
-    2024), CluSTER's last-layer gradient proxy, or sentence embeddings of the text as a model-free baseline.
+    2024), CluSTER's last-layer gradient proxy, the pooled final hidden state (RDS+), or sentence embeddings of
+    the text as a model-free baseline.
 
     ``method: last_layer`` (Kim et al., EMNLP 2026, arXiv 2609.12584; its code's ``jvp_proxy_raw``): one
     inference forward, the token mean of ``(p(y_t) - 1) h_t`` over response tokens (``features/last_layer.py``);
     its size is the sketch model's hidden size, and ``modules``, ``last_blocks``, ``k_in``, ``k_out``, ``dim``
     and ``seed`` are unused. Its shards hold the raw rows; the feature stage then L2-normalises each row when
     ``train.num_workers > 1`` and subtracts the mean over all candidates when it is 1, as the published code.
+    ``method: hidden_mean`` (RDS+, Ivison et al. 2025, arXiv 2503.01807, Sec. 3): the sketch model's final
+    hidden state pooled over the row's tokens, one forward of the base transformer without the LM head
+    (``features/hidden_mean.py``). ``gradient`` is the LoGra sketch's name before ``sketch`` and is still read.
     A smaller proxy ``model`` selects nearly as well (Yin & Rush, ICLR 2025: a model 10x smaller). The warm-up
     follows LESS (Xia et al. 2024, Sec. 4.1: base-model gradients select little better than random).
     """
 
-    method: Literal["gradient", "embedding", "last_layer"] = Field(
-        "gradient", description="``gradient``: the LoGra sketch of the chosen modules' per-example gradients; "
-                                "``last_layer``: the published last-layer gradient proxy; ``embedding``: "
-                                "all-MiniLM-L6-v2 sentence embeddings of the text (384 numbers)")
+    method: Literal["sketch", "embedding", "last_layer", "hidden_mean"] = Field(
+        "sketch", description="``sketch``: the LoGra sketch of the chosen modules' per-example gradients (``gradient``, "
+                              "its former name, is read as ``sketch``); ``last_layer``: the published last-layer "
+                              "gradient proxy; ``hidden_mean``: the RDS+ feature (Ivison et al. 2025), the sketch "
+                              "model's final hidden state pooled over the row's tokens (prompt and response), one "
+                              "forward without the LM head, unit rows of the hidden size; ``embedding``: "
+                              "all-MiniLM-L6-v2 sentence embeddings of the text (384 numbers)")
+    pooling: Literal["weighted", "mean"] | None = Field(
+        None, description="``hidden_mean`` only (an error with another method): ``weighted`` (the default there: "
+                          "RDS+'s position-weighted mean after SGPT, token t of n weighs (t + 1) / (n (n + 1) / 2), "
+                          "so later tokens, which have seen more of the row, weigh more) or ``mean`` (every token "
+                          "alike); padding never counts")
+    max_tokens: int | None = Field(
+        None, ge=8, description="features from at most this many tokens of each row (cost in proportion); null = "
+                                "the whole row. ``hidden_mean``: the first max_tokens tokens; ``embedding``: the "
+                                "first max_tokens tokens of the encoder's tokenizer; ``sketch`` and ``last_layer``, "
+                                "which need response tokens: the first max_tokens tokens when they hold one, else "
+                                "the last prompt tokens before the response and its first r = min(response length, "
+                                "max(1, max_tokens // 4)) tokens, max_tokens in all (response length: from its "
+                                "first token to the row's end)")
     model: str | None = Field(
         None,
         description="model to sketch with: null = the trained model; 'demo', a local folder or a hub id; for "
@@ -185,7 +205,8 @@ class SketchConfig(_Section):
     k_out: int = Field(16, ge=1, description="projection size of each sketched module's output side: a module "
                                              "contributes k_in x k_out numbers")
     dim: int = Field(256, ge=2, description="final gradient-sketch size, by a second seeded projection when the "
-                     "modules' blocks hold more (embeddings keep the encoder's size, last_layer the hidden size)")
+                     "modules' blocks hold more (embeddings keep the encoder's size, last_layer and hidden_mean the "
+                     "hidden size)")
     seed: int = _seed("projection seed (the same on every actor, so sketches compare)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="``auto``: bf16 autocast on CUDA, fp32 on the CPU; ``float32``: no autocast anywhere; "
@@ -196,7 +217,7 @@ class SketchConfig(_Section):
         None, ge=1, description="cap on batch_size x longest row (padded tokens) of a length-sorted batch; null = none"
     )
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of warm-up training of the sketch model before "
-                                                   "sketching (gradient and last_layer only); 0 = off")
+                                                   "sketching (sketch, last_layer and hidden_mean); 0 = off")
     warmup_fraction: float = Field(0.05, gt=0.0, le=1.0, description="share of the candidates in the warm-up "
                                                                      "sample (seeded, random)")
     num_actors: int | None = Field(
@@ -209,11 +230,33 @@ class SketchConfig(_Section):
                                         "added (manifest: counts.features_computed, counts.features_reused); "
                                         "writes are atomic, so concurrent jobs may share it")
 
+    @field_validator("method", mode="before")
+    @classmethod
+    def _gradient_is_sketch(cls, v: Any) -> Any:
+        # The LoGra sketch was called `gradient` before issue 31: saved config.yaml files and specs still say so.
+        return "sketch" if v == "gradient" else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pooling_default(cls, v: Any) -> Any:
+        # Filled in here, not as a field default, so that a saved config.yaml of any other method (pooling null)
+        # still loads, and one of hidden_mean says which pooling it ran.
+        if isinstance(v, dict) and v.get("method") == "hidden_mean" and v.get("pooling") is None:
+            return {**v, "pooling": "weighted"}
+        return v
+
     @model_validator(mode="after")
     def _warmup_needs_gradients(self) -> "SketchConfig":
         if self.method == "embedding" and self.warmup_steps > 0:
-            raise ValueError("sketch.warmup_steps > 0 trains the sketch model: it needs sketch.method 'gradient' "
-                             "or 'last_layer'")
+            raise ValueError("sketch.warmup_steps > 0 trains the sketch model: it needs sketch.method 'sketch', "
+                             "'last_layer' or 'hidden_mean'")
+        return self
+
+    @model_validator(mode="after")
+    def _pooling_needs_hidden_mean(self) -> "SketchConfig":
+        if self.pooling is not None and self.method != "hidden_mean":
+            raise ValueError(f"sketch.pooling: {self.pooling} pools the final hidden states of sketch.method "
+                             f"'hidden_mean'; sketch.method is {self.method!r}: drop sketch.pooling or set the method")
         return self
 
 

@@ -485,7 +485,7 @@ def check_module_patterns(cfg: JobConfig, model_path: str, need_sketch: bool) ->
     if need_sketch and cfg.sketch.model:
         sketch_model = resolve_model_path(cfg.sketch.model, "sketch.model")
         check_model_files(sketch_model, "sketch.model")
-    if need_sketch and cfg.sketch.method == "gradient":
+    if need_sketch and cfg.sketch.method == "sketch":
         checks.append(("sketch.modules", cfg.sketch.modules, sketch_model))
     names_of: dict[str, list[str]] = {}
     for key, patterns, path in checks:

@@ -2,9 +2,11 @@
 
 * :mod:`.projection`: the LoGra factorised gradient sketch (Choe et al. 2024, Sec. 3), pure torch;
 * :mod:`.last_layer`: the published method's last-layer gradient proxy (one inference forward);
+* :mod:`.hidden_mean`: the RDS+ feature, pooled final hidden states (one forward without the LM head);
+* :mod:`.windows`: the ``sketch.max_tokens`` window of a row;
 * :mod:`.reference`: slow exact references (per-example autograd, explicit Kronecker projection) for tests;
-* :mod:`.sketchers`: the gradient sketch and the embedding baseline behind one interface
-  (:func:`make_sketcher`);
+* :mod:`.sketchers`: the gradient sketch, the last-layer and hidden-state features and the embedding baseline
+  behind one interface (:func:`make_sketcher`);
 * :mod:`.store`: resumable Parquet shards keyed by settings, model and inputs; :func:`read_sketches`;
 * :mod:`.feature_store`: the cross-run feature store (``sketch.store``), content-addressed, on any pyarrow
   filesystem;

@@ -8,8 +8,9 @@ Layout::
     <store>/v1/<key>/part-<content hash>.parquet  example_id, input_hash, sketch, loss, n_tokens
 
 ``key`` (:func:`store_key`) hashes everything a feature's value depends on besides its example: the feature
-settings (method, modules, last_blocks, k_in, k_out, dim, seed, dtype; only method and dtype for
-``last_layer`` and ``embedding``), the model's *content* fingerprint (:func:`model_fingerprint`: SHA-256 of
+settings (:func:`~ray_cluster_ft.features.store.feature_settings`: method, modules, last_blocks, k_in, k_out,
+dim, seed, dtype for the LoGra sketch; method and dtype for ``last_layer`` and ``embedding``, plus pooling for
+``hidden_mean``; ``max_tokens`` where set), the model's *content* fingerprint (:func:`model_fingerprint`: SHA-256 of
 its config and weight files, or the hub revision; never its path or mtimes) and the device kind. A store
 written with other settings or another model lives under another key and is never read for this job. Within a
 key a row is found by its ``example_id`` (the content hash of the example's messages) and reused only when its
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import SketchConfig
+from .store import feature_settings
 
 __all__ = [
     "FeatureStore",
@@ -99,17 +101,6 @@ def model_fingerprint(model_path: str) -> dict:
     except Exception:  # noqa: BLE001, S110 - a malformed id or an unreadable cache: the id alone keys it
         pass
     return {"hub_id": model_path, "revision": revision}
-
-
-def feature_settings(cfg: SketchConfig) -> dict:
-    """The ``sketch`` settings a feature's value depends on: ``method``, ``modules``, ``last_blocks``, ``k_in``,
-    ``k_out``, ``dim``, ``seed``, ``dtype`` for ``gradient``; ``method`` and ``dtype`` for ``last_layer`` and
-    ``embedding`` (no projection). Batch sizes and actor counts are left out (a feature does not depend on its
-    batch mates, up to float rounding). The same selection as the per-run shard key
-    (:func:`~ray_cluster_ft.features.sketch_fingerprint`)."""
-    used = ("method", "modules", "last_blocks", "k_in", "k_out", "dim", "seed", "dtype") \
-        if cfg.method == "gradient" else ("method", "dtype")
-    return {k: v for k, v in cfg.model_dump().items() if k in used}
 
 
 def store_key(cfg: SketchConfig, model_path: str, use_gpu: bool) -> tuple[str, dict]:

@@ -1,5 +1,6 @@
-"""What the feature stage runs on: the candidates' token ids as they are (``gradient``, ``last_layer``),
-re-tokenised for a proxy model with another tokenizer, or their text for the embedding baseline."""
+"""What the feature stage runs on: the candidates' token ids as they are (``sketch``, ``last_layer``,
+``hidden_mean``), re-tokenised for a proxy model with another tokenizer, or their text for the embedding
+baseline."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ class SketchInputs:
     """What the sketch stage runs on.
 
     Attributes:
-        table: ``pyarrow.Table``: ``example_id``, ``input_ids``, ``labels``, ``n_tokens`` (gradient,
-            last_layer) or ``example_id``, ``text``, ``n_tokens`` (embedding); ``n_tokens`` is always the
+        table: ``pyarrow.Table``: ``example_id``, ``input_ids``, ``labels``, ``n_tokens`` (sketch,
+            last_layer, hidden_mean) or ``example_id``, ``text``, ``n_tokens`` (embedding); ``n_tokens`` is always the
             trained model's count, and the example ids are the trained examples' ids, in their order.
         model_path: the resolved model to sketch with (for ``embedding`` by default the packaged MiniLM).
         pad_token_id: the sketch model's padding id.
@@ -41,7 +42,7 @@ def same_tokenization(a, b) -> bool:
 def prepare_sketch_inputs(train, cfg, tokenizer) -> SketchInputs:
     """Build the sketch stage's input table for ``cfg.sketch.method`` and ``cfg.sketch.model``.
 
-    ``gradient`` and ``last_layer`` (both read token ids, so they take the same path) with the trained
+    ``sketch``, ``last_layer`` and ``hidden_mean`` (all read token ids, so they take the same path) with the trained
     model, or with a proxy whose tokenizer tokenizes like the trained one (:func:`same_tokenization`): the
     examples' token ids as they are. A proxy with another tokenizer: the
     messages are read again (:func:`load_messages`) and tokenized with the proxy's chat template
@@ -74,7 +75,7 @@ def prepare_sketch_inputs(train, cfg, tokenizer) -> SketchInputs:
         # Resolved now, so a missing package fails before any Ray work.
         path = resolve_model_path(sk.model, "sketch.model") if sk.model else embedding_model_dir()
         return SketchInputs(table, path, 0)
-    cols = ["example_id", "input_ids", "labels", "n_tokens"]  # gradient and last_layer alike
+    cols = ["example_id", "input_ids", "labels", "n_tokens"]  # sketch, last_layer and hidden_mean alike
     trained = resolve_model_path(cfg.model.path)
     path = resolve_model_path(sk.model, "sketch.model") if sk.model else trained
     if path == trained:

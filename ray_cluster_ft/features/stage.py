@@ -3,7 +3,8 @@
 ``sketch.model`` may name a smaller proxy model (re-tokenised when its tokenizer differs),
 ``sketch.method: embedding`` replaces gradients by all-MiniLM-L6-v2 sentence embeddings (the model-free
 baseline), ``sketch.method: last_layer`` by CluSTER's last-layer gradient proxy (:mod:`.last_layer`, normalised
-here on the driver by the world size). A warmed-up sketch model (``sketch.warmup_steps``) comes from the
+here on the driver by the world size), ``sketch.method: hidden_mean`` by the RDS+ feature (:mod:`.hidden_mean`:
+pooled final hidden states, no LM head). A warmed-up sketch model (``sketch.warmup_steps``) comes from the
 pipeline (:mod:`ray_cluster_ft.pipeline.warmup`) as ``run``'s ``sketch_model``.
 """
 
@@ -54,7 +55,7 @@ busy cores with a 16M-parameter model: 60 rows took 50 s through the pool (30 s 
 
 class ShardSketcher:
     """Ray Data callable class around :class:`GradientSketcher` / :class:`LastLayerSketcher` /
-    :class:`EmbeddingSketcher` (:func:`make_sketcher`) that writes each shard's sketches to
+    :class:`HiddenMeanSketcher` / :class:`EmbeddingSketcher` (:func:`make_sketcher`) that writes each shard's sketches to
     ``out_dir/<shard file>`` (atomically) and returns one summary row per shard.
 
     A batch must hold whole shards (``compute_sketches`` feeds one shard per block with ``batch_size=None``);
@@ -64,7 +65,7 @@ class ShardSketcher:
     (gauge, tokens/s of the actor's last shard, wall clock).
 
     Args:
-        method: ``gradient``, ``last_layer`` or ``embedding``.
+        method: ``sketch``, ``last_layer``, ``hidden_mean`` or ``embedding``.
         model_path: the model to sketch with (``None`` = the packaged MiniLM for ``embedding``).
         sketch: ``SketchConfig.model_dump()``.
         out_dir: the sketch folder (shared by every actor; on a multi-node cluster a shared file system).
@@ -186,7 +187,8 @@ def _default_shard_rows(n_rows: int, cfg: SketchConfig, use_gpu: bool, gpu_actor
 
 
 def _input_columns(method: str) -> list[str]:
-    """The columns a method reads: text for ``embedding``, token ids for ``gradient`` and ``last_layer``."""
+    """The columns a method reads: text for ``embedding``, token ids for ``sketch``, ``last_layer`` and
+    ``hidden_mean``."""
     if method == "embedding":
         return ["example_id", "text", "n_tokens"]
     return ["example_id", "input_ids", "labels", "n_tokens"]
@@ -210,14 +212,14 @@ def compute_sketches(
     The rows (in input order) are cut into shards of ``shard_rows`` (default :func:`_default_shard_rows`:
     ``8 * cfg.batch_size``, fewer when that would leave actors idle), each
     named by a hash of the sketch fingerprint (:func:`sketch_fingerprint`: method, model weights, projection
-    settings, dtype) and the shard's ids and inputs (:func:`plan_shards`). Finished shard files already in
+    settings, pooling, dtype, ``max_tokens``) and the shard's ids and inputs (:func:`plan_shards`). Finished shard files already in
     ``out_dir`` are kept and not recomputed; every other Parquet or temporary file there is deleted first
     (another config's or input's shards, a half-written file). Each actor writes its shards atomically, so an
     interrupted run leaves only whole shards, and a re-run sketches the rest: in the end ``out_dir`` holds
     exactly one sketch per input row.
 
-    Input columns: ``example_id``, ``input_ids``, ``labels``, ``n_tokens`` for ``method: gradient`` and
-    ``last_layer``; ``example_id``, ``text``, ``n_tokens`` for ``method: embedding`` (others are ignored). The
+    Input columns: ``example_id``, ``input_ids``, ``labels``, ``n_tokens`` for ``method: sketch``,
+    ``last_layer`` and ``hidden_mean``; ``example_id``, ``text``, ``n_tokens`` for ``method: embedding`` (others are ignored). The
     pool has ``cfg.num_actors`` actors, else one per GPU (``use_gpu``) or one per CPU of the Ray cluster, each
     with 1 GPU with ``use_gpu`` and up to 1 CPU (one CPU stays free for Ray Data's own tasks, see
     :func:`_actor_resources`). Output columns: ``example_id`` (string), ``sketch``
@@ -259,7 +261,7 @@ def compute_sketches(
     if model_path is None and cfg.method == "embedding":
         model_path = embedding_model_dir()
     if model_path is None:
-        raise ValueError("compute_sketches: method 'gradient' needs a model_path")
+        raise ValueError(f"compute_sketches: method {cfg.method!r} needs a model_path")
     rows = shard_rows if shard_rows is not None else _default_shard_rows(table.num_rows, cfg, use_gpu, gpu_actors)
     shards = plan_shards(table, rows, sketch_fingerprint(cfg, model_path, use_gpu), _input_columns(cfg.method)[1:-1])
     out = Path(out_dir)
@@ -389,7 +391,7 @@ def sketch_with_store(table: pa.Table, model_path: str | None, cfg: SketchConfig
     if model_path is None and cfg.method == "embedding":
         model_path = embedding_model_dir()
     if model_path is None:
-        raise ValueError("sketch_with_store: method 'gradient' needs a model_path")
+        raise ValueError(f"sketch_with_store: method {cfg.method!r} needs a model_path")
     key, desc = store_key(cfg, model_path, use_gpu)
     desc_summary = {"settings": desc["settings"], "model": _digest(desc["model"]), "gpu": desc["gpu"]}
     args = {"use_gpu": use_gpu, "trust_remote_code": trust_remote_code, "pad_token_id": pad_token_id,

@@ -16,6 +16,7 @@ from ..config import SketchConfig
 
 __all__ = [
     "Shard",
+    "feature_settings",
     "model_files_fingerprint",
     "sketch_fingerprint",
     "plan_shards",
@@ -54,19 +55,38 @@ def model_files_fingerprint(model_path: str) -> dict:
     return {"path": str(p.resolve()), "files": files}
 
 
+_PROJECTION = ("modules", "last_blocks", "k_in", "k_out", "dim", "seed")
+"""The settings of the LoGra sketch's projections, which no other method reads."""
+
+
+def feature_settings(cfg: SketchConfig) -> dict:
+    """The ``sketch`` settings a feature's value depends on, in the section's field order: ``method`` and
+    ``dtype`` for every method; ``modules``, ``last_blocks``, ``k_in``, ``k_out``, ``dim``, ``seed`` for
+    ``sketch``; ``pooling`` for ``hidden_mean``; ``max_tokens`` for every method when it is set. Batch sizes and
+    actor counts are left out (a feature does not depend on its batch mates, up to float rounding), and so is a
+    ``dim`` the method does not use (a changed ``dim`` recomputes no last-layer feature).
+
+    The LoGra sketch is recorded as ``"method": "gradient"``, its name before ``sketch``, and a ``max_tokens`` of
+    null not at all: the settings of a job that reads whole rows are what they were before issue 31, so feature
+    stores, shards and cluster maps (``clustering.from_run``) written before it stay valid. Both the per-run shard
+    key (:func:`sketch_fingerprint`) and the store key
+    (:func:`~ray_cluster_ft.features.feature_store.store_key`) hash this dict."""
+    used = {"method", "dtype", "max_tokens"} | (set(_PROJECTION) if cfg.method == "sketch" else set()) \
+        | ({"pooling"} if cfg.method == "hidden_mean" else set())
+    out = {k: v for k, v in cfg.model_dump().items() if k in used and not (k == "max_tokens" and v is None)}
+    if out["method"] == "sketch":
+        out["method"] = "gradient"
+    return out
+
+
 def sketch_fingerprint(cfg: SketchConfig, model_path: str, use_gpu: bool) -> str:
-    """Hex digest of everything a sketch's values depend on besides its example: method, model weights (see
-    :func:`model_files_fingerprint`), modules, ``last_blocks``, ``k_in``, ``k_out``, ``dim``, seed, dtype and device
-    kind. Batch sizes and actor counts are left out: a sketch does not depend on its batch mates (up to float
-    rounding). The last-layer feature and the embeddings use no projection, so only method and dtype count for
-    them (a changed ``dim`` does not recompute them)."""
+    """Hex digest of everything a sketch's values depend on besides its example: the settings of
+    :func:`feature_settings` (method, projection settings, pooling, dtype, ``max_tokens``), the model weights (see
+    :func:`model_files_fingerprint`) and the device kind."""
     import json
 
-    used = ("method", "modules", "last_blocks", "k_in", "k_out", "dim", "seed", "dtype") \
-        if cfg.method == "gradient" else ("method", "dtype")
-    keys = {k: v for k, v in cfg.model_dump().items() if k in used}
-    blob = json.dumps({"v": 1, "cfg": keys, "model": model_files_fingerprint(model_path), "gpu": bool(use_gpu)},
-                      sort_keys=True, default=str)
+    blob = json.dumps({"v": 1, "cfg": feature_settings(cfg), "model": model_files_fingerprint(model_path),
+                       "gpu": bool(use_gpu)}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -116,7 +116,7 @@ def test_bad_inputs_are_named(tiny_model_dir):
     model = str(tiny_model_dir)
     ok = {"prompt": "What is 2 + 2?", "response": "4"}
     with pytest.raises(TypeError, match="JobConfig or a SketchConfig"):
-        rcf.compute_features([ok], model, {"method": "gradient"})
+        rcf.compute_features([ok], model, {"method": "sketch"})
     with pytest.raises(ValueError, match="row 1: missing field 'response'"):
         rcf.compute_features([ok, {"prompt": "hi"}], model, rcf.SketchConfig())
     with pytest.raises(ValueError, match="rows 0 and 2 are the same example"):

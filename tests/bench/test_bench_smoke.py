@@ -33,6 +33,8 @@ def test_sketch_throughput_runs(tiny_model_dir, tmp_path):
     fig = _run("sketch_throughput.py", "--model", str(tiny_model_dir), "--batches", "1", "--repeats", "1",
                "--batch", "2", "--seq", "32", "--k", "4", "--dim", "16", "--out", str(out))
     assert fig["batches"] == 1 and fig["seq"] == 32 and fig["sketch_over_step_all"] > 0
+    assert fig["hidden_mean_ratio"] > 0 and fig["last_layer_ratio"] > 0 and fig["hidden_mean_examples_per_s"] > 0
+    assert fig["lm_head_share_of_forward"] < 1
     assert json.loads(out.read_text())["sketch_vs_exact_rel_err_all"] < 1e-3
 
 

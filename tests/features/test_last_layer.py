@@ -181,10 +181,10 @@ def test_config_and_input_columns():
     from ray_cluster_ft.features.stage import _input_columns
 
     assert SketchConfig(method="last_layer", warmup_steps=3).warmup_steps == 3
-    with pytest.raises(ValueError, match="'gradient' or 'last_layer'"):
+    with pytest.raises(ValueError, match="'sketch', 'last_layer' or 'hidden_mean'"):
         SketchConfig(method="embedding", warmup_steps=1)
-    assert _input_columns("last_layer") == _input_columns("gradient") == ["example_id", "input_ids", "labels",
-                                                                          "n_tokens"]
+    assert _input_columns("last_layer") == _input_columns("sketch") == _input_columns("hidden_mean") == \
+        ["example_id", "input_ids", "labels", "n_tokens"]
 
 
 def test_prepare_sketch_inputs_gives_token_ids(tiny_model_dir, tmp_path):
