@@ -15,7 +15,7 @@ are re-exported here. Every field's ``description`` is the reference: ``docs/con
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -27,8 +27,10 @@ from pydantic import (
     model_validator,
 )
 
+from ._config_base import Section, seed_field
 from ._config_checks import budget_count, check_against_data, needs_clusters  # noqa: F401 (budget_count: select)
 from ._config_load import ConfigError, format_errors, read_spec
+from ._config_train import EvaluationConfig, LoraConfig, OutputConfig, TrainConfig
 from ._presets import PRESETS, preset_note, with_preset
 
 __all__ = [
@@ -51,36 +53,7 @@ __all__ = [
     "PRESETS",
 ]
 
-# Every seed reaches numpy / scikit-learn, which take seeds in [0, 2**32): check the range here, not after the
-# sketch stage.
-_SEED_MAX = 2**32 - 1
-
-
-def _seed(description: str = "random seed") -> Any:
-    return Field(0, ge=0, le=_SEED_MAX, description=f"{description}, 0..2**32-1")
-
-
-def _admits_bool(annotation: Any) -> bool:
-    if annotation is bool or annotation is Any:
-        return True
-    return any(_admits_bool(a) for a in get_args(annotation) if not isinstance(a, str))
-
-
-class _Section(BaseModel):
-    # allow_inf_nan=False: YAML's .inf / .nan are never a meaningful budget, rate or limit.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_boolean_numbers(cls, v: Any, info: ValidationInfo) -> Any:
-        # pydantic's lax mode reads YAML `true` as 1 for a number: `epochs: true` would train one epoch and
-        # `lr: true` at 1.0. Only a field that is a boolean (or may be one) takes a boolean.
-        if isinstance(v, bool) and not _admits_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError("does not take a boolean (YAML true/false)")
-        return v
-
-
-class DataConfig(_Section):
+class DataConfig(Section):
     """Where training rows come from and how they are tokenized (with the model's tokenizer and chat template;
     the loss is on response tokens only). Every row read ends as an accepted example or one line of
     ``rejected.jsonl`` with its reason (``docs/operations.md``)."""
@@ -106,7 +79,7 @@ class DataConfig(_Section):
     limit: int | None = Field(
         None, ge=1, description="read at most this many rows per source (a file's first rows; a seeded sample of "
                                 "each demo source); null = every row")
-    seed: int = _seed("held-out split and demo sample seed")
+    seed: int = seed_field("held-out split and demo sample seed")
 
     @model_validator(mode="before")
     @classmethod
@@ -132,7 +105,7 @@ class DataConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The causal LM to fine-tune. The driver resolves it once (converts ``demo``, downloads a hub id) into
     ``cache_dir``; training workers, sketch actors and the evaluation load that folder offline and never
     resolve a name themselves."""
@@ -152,7 +125,7 @@ class ModelConfig(_Section):
                           "relative to the folder that holds output.dir")
 
 
-class SketchConfig(_Section):
+class SketchConfig(Section):
     """Per-example features (docs/design.md, "Features"): the LoGra factorised gradient projection (Choe et al.
     2024), CluSTER's last-layer gradient proxy, the pooled final hidden state (RDS+), or sentence embeddings of
     the text as a model-free baseline.
@@ -207,7 +180,7 @@ class SketchConfig(_Section):
     dim: int = Field(256, ge=2, description="final gradient-sketch size, by a second seeded projection when the "
                      "modules' blocks hold more (embeddings keep the encoder's size, last_layer and hidden_mean the "
                      "hidden size)")
-    seed: int = _seed("projection seed (the same on every actor, so sketches compare)")
+    seed: int = seed_field("projection seed (the same on every actor, so sketches compare)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="``auto``: bf16 autocast on CUDA, fp32 on the CPU; ``float32``: no autocast anywhere; "
                             "``bfloat16``: bf16 autocast on either device")
@@ -260,7 +233,7 @@ class SketchConfig(_Section):
         return self
 
 
-class ClusteringConfig(_Section):
+class ClusteringConfig(Section):
     """k-means on the features (``cluster/kmeans.py``; the published KMeans and its soft cap in
     ``cluster/capped.py``; an earlier run's cluster map in ``cluster/cluster_map.py``)."""
 
@@ -268,7 +241,7 @@ class ClusteringConfig(_Section):
         "auto", description="number of clusters: a whole number; ``auto`` = min(n, max(2W, min(100, "
                             "round(sqrt(n / 10))))) for n candidates and W = train.num_workers; or ``world_size`` "
                             "(= W, as the published code)")
-    seed: int = _seed("k-means seed")
+    seed: int = seed_field("k-means seed")
     min_cluster_size: int = Field(2, ge=1, description="spherical only: smaller clusters are merged into their nearest")
     algorithm: Literal["spherical", "kmeans"] = Field(
         "spherical", description="``spherical``: k-means on unit rows (cosine), small clusters merged; ``kmeans``: "
@@ -325,7 +298,7 @@ class ClusteringConfig(_Section):
         return v
 
 
-class SelectionConfig(_Section):
+class SelectionConfig(Section):
     """Which examples to train on (``select/quotas.py``, ``select/within.py``). The selected count is rounded
     down to whole optimizer steps, a multiple of ``train.num_workers x train.micro_batch_size x
     train.grad_accum``, so every rank gets the same number of full micro-batches; the manifest says by how many
@@ -345,7 +318,7 @@ class SelectionConfig(_Section):
                                "published default), ``central`` (nearest first), ``random`` (seeded)")
     dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates "
                                                                     "(kcenter and strata reach them last; 1 = off)")
-    seed: int = _seed("selection seed")
+    seed: int = seed_field("selection seed")
     ratio: float = Field(0.5, gt=0, le=1.0, description="equalize only: share of the smallest cluster kept per "
                                                         "cluster; another value with another strategy is refused")
     groups: Literal["auto"] | int | None = Field(
@@ -402,7 +375,7 @@ class SelectionConfig(_Section):
         return v
 
 
-class AllocationConfig(_Section):
+class AllocationConfig(Section):
     """Which rank trains which example at which step (:func:`ray_cluster_ft.allocate.make_plan`). Every rank
     gets the same number of micro-batches, and each selected example appears once per epoch."""
 
@@ -412,7 +385,7 @@ class AllocationConfig(_Section):
                                "(micro-batches of similar lengths, as group_by_length; needs no sketches) or "
                                "``cluster_per_rank`` (the published allocation: rank r trains cluster r, a fresh "
                                "order every epoch; needs clustering.k = train.num_workers)")
-    seed: int = _seed("allocation seed (the cluster plan re-cuts epoch e with seed + e)")
+    seed: int = seed_field("allocation seed (the cluster plan re-cuts epoch e with seed + e)")
     pad_tolerance: float = Field(
         0.05, ge=0.0, le=1.0,
         description="cluster only: largest padding fraction a single-cluster micro-batch may keep; the others "
@@ -434,126 +407,7 @@ class AllocationConfig(_Section):
         return self
 
 
-class LoraConfig(_Section):
-    """Low-rank adapters through peft (Hu et al., "LoRA", ICLR 2022): only the adapters train."""
-
-    enabled: bool = Field(False, description="train LoRA adapters instead of every weight")
-    r: int = Field(8, ge=1, description="adapter rank")
-    alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is (alpha / r) * B A")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        min_length=1,
-        description="suffixes of the nn.Linear module names that get adapters",
-    )
-    merge: bool = Field(True, description="true: final_model/ is a plain model with the adapters merged into the "
-                                          "base weights; false: the adapter only (adapter_config.json names the base)")
-
-
-class TrainConfig(_Section):
-    """Ray Train + DeepSpeed settings. The optimizer is AdamW (betas 0.9, 0.999; DeepSpeed's CPU Adam with
-    ``offload``); the learning rate warms up linearly over ``warmup_steps``, then decays linearly."""
-
-    num_workers: int = Field(2, ge=1, description="data-parallel world size (Ray Train workers)")
-    use_gpu: bool = Field(False, description="one GPU per worker (NCCL); false: CPU workers (gloo)")
-    cpus_per_worker: int = Field(1, ge=1, description="CPUs each worker reserves")
-    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
-    micro_batch_size: int = Field(4, ge=1, description="rows per micro-batch per rank (with allocation.packing: "
-                                                       "unused, a micro-batch is one pack)")
-    grad_accum: int = Field(1, ge=1, description="micro-batches per rank per optimizer step")
-    epochs: int = Field(1, ge=1, le=1000, description="passes over the selection (the plan grows with it)")
-    lr: float = Field(2e-5, gt=0, description="peak learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warm-up")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (global norm)")
-    log_every: int = Field(1, ge=1, description="rank 0 prints a progress line every N optimizer steps (and at the "
-                                                "last); train_log.jsonl has every step")
-    seed: int = _seed("torch seed of the workers")
-    timeout_s: int = Field(1800, ge=10, description="collective-op timeout of the process group")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
-    offload: Literal["none", "optimizer", "params"] = Field(
-        "none", description="ZeRO CPU offload: optimizer state, or optimizer state and parameters (ZeRO-3)"
-    )
-    deepspeed_config: str | None = Field(
-        None, description="path to a DeepSpeed JSON merged over the generated config (its keys win; batch keys "
-                          "must match the plan; ``~`` is expanded); read and checked on the driver when the run starts"
-    )
-    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps; 0 = only at the end")
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
-        "auto", description="auto: fp32 on CPU; on GPU bf16 where the GPU supports it (Ampere and later), else fp16 "
-                            "with dynamic loss scaling (decided on each worker's GPU); gradients accumulate in fp32")
-    gradient_checkpointing: bool | None = Field(
-        None, description="recompute activations in the backward (long sequences at 7B+); null = on with use_gpu")
-    loss_weighting: Literal["cluster", "none"] | None = Field(
-        None, description="cluster: weigh each example's token losses by its selection weight (n_c/N)/(s_c/S), "
-                          "restoring every cluster's share of the data; none: weight 1; null = cluster for the "
-                          "balanced and equalize selections, none otherwise. Either way a step's loss is "
-                          "token-exact: sum_i w_i sum_t l_it / sum_i w_i |T_i| over all its ranks")
-    max_failures: int = Field(2, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = no limit")
-    max_tokens_per_micro_batch: int | None = Field(
-        None, ge=8, description="allocation.packing only, and required by it: tokens per pack at most (whole "
-                                "examples, never cut, so at least data.max_seq_len)")
-
-    final_checkpoint: bool = Field(
-        True, description="write a last checkpoint after the final step (off when only final_model/ is wanted)")
-
-    @model_validator(mode="after")
-    def _precision_on_its_device(self) -> "TrainConfig":
-        if self.precision == "fp16" and not self.use_gpu:
-            raise ValueError("train.precision 'fp16' needs train.use_gpu (DeepSpeed has no fp16 on the CPU); use "
-                             "fp32 or bf16")
-        return self
-
-    @model_validator(mode="after")
-    def _offload_needs_zero(self) -> "TrainConfig":
-        if self.offload == "optimizer" and self.zero_stage == 0:
-            raise ValueError("train.offload='optimizer' needs train.zero_stage >= 1")
-        if self.offload == "params" and self.zero_stage != 3:
-            raise ValueError("train.offload='params' needs train.zero_stage = 3")
-        return self
-
-    @field_validator("deepspeed_config")
-    @classmethod
-    def _expand_user(cls, v: str | None) -> str | None:
-        # The file itself is read and checked once, on the driver (train.build_deepspeed_config): validation
-        # here reads nothing, so a worker that receives this config never looks for the file on its node.
-        return None if v is None else str(Path(v).expanduser())
-
-
-class EvaluationConfig(_Section):
-    """Held-out evaluation before and after training: response-token loss and perplexity per domain, plus
-    multiple-choice accuracy (items with choices and a gold letter) and pass@1 (code problems with tests)."""
-
-    max_mc: int = Field(64, ge=0, description="multiple-choice items scored at most")
-    max_code: int = Field(8, ge=0, description="code problems generated and run at most (pass@1)")
-    max_new_tokens: int = Field(128, ge=1, description="tokens generated per code problem (greedy)")
-    time_limit_s: float = Field(5.0, gt=0, description="seconds each generated program may run with its tests")
-    paths: list[str] = Field(
-        default_factory=list,
-        description="extra held-out files (any data.paths format), scored before and after training, per file: "
-                    "loss, and MC accuracy or pass@1 where rows carry choices or tests; never sketched, selected "
-                    "or trained on (manifest: eval_files)")
-    every_epoch: bool = Field(
-        False, description="also score the model after every epoch (saved as epochs/epoch{e}/ while training; "
-                           "needs output.save_model): manifest eval_epochs, each epoch's held-out scores and the "
-                           "macro mean of the evaluation files' losses, and eval.best_epoch, the lowest; the "
-                           "other epochs' folders are removed, the best one is kept")
-
-    @field_validator("paths")
-    @classmethod
-    def _expand_user(cls, v: list[str]) -> list[str]:
-        return [str(Path(x).expanduser()) for x in v]
-
-
-class OutputConfig(_Section):
-    """Where the run directory goes."""
-
-    dir: str = Field("runs/demo", min_length=1, description="the run directory (``--output`` sets it); a folder "
-                                                           "holding files no run wrote is refused")
-    save_model: bool = Field(True, description="write final_model/ (Hugging Face format) at the end")
-
-
-class JobConfig(_Section):
+class JobConfig(Section):
     """The whole job: one section per stage, and an optional ``preset`` (:data:`PRESETS`) whose keys the
     spec's own keys override. Every key is optional; an unknown key or a wrong type fails before any Ray work,
     naming the key and the nearest valid one, and ``true``/``false`` go only to boolean keys (a YAML

@@ -8,7 +8,7 @@ from pydantic import BaseModel
 from ray_cluster_ft import _config_docs
 from ray_cluster_ft.config import PRESETS, JobConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fields(model: type[BaseModel], prefix: str = ""):
