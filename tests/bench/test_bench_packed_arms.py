@@ -1,4 +1,4 @@
-"""bench/end_to_end.py's packed arms: their job configs parse, and the packed ratios are taken against
+"""bench/paper_setup.py's packed arms: their job configs parse, and the packed ratios are taken against
 full_packed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from ray_cluster_ft.config import parse_config
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "end_to_end.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "paper_setup.py"
 
 
 @pytest.fixture(scope="module")

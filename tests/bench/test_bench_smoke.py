@@ -84,8 +84,8 @@ def test_feature_store_runs(tmp_path):
 
 @pytest.mark.slow
 @needs_data
-def test_end_to_end_runs(tiny_model_dir, tmp_path):
-    fig = _run("end_to_end.py", "--setup", "demo-mix", "--quick", "--model", str(tiny_model_dir),
+def test_paper_setup_runs(tiny_model_dir, tmp_path):
+    fig = _run("paper_setup.py", "--setup", "demo-mix", "--quick", "--model", str(tiny_model_dir),
                "--arms", "full", "ours", "--out", str(tmp_path / "e2e"), timeout=900)
     assert (tmp_path / "e2e" / "report.md").is_file() and (tmp_path / "e2e" / "end_to_end.json").is_file()
     assert "budget_effective" in fig

@@ -1,0 +1,136 @@
+"""bench/end_to_end.py, the quality benchmark: its pools, every arm's config, the run order, the figures read
+from a manifest and the summary's keys (the issue's exact names); and one real quick run (slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bench._common import shared_data_dir
+from ray_cluster_ft.config import parse_config
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "end_to_end.py"
+needs_data = pytest.mark.skipif(shared_data_dir() is None, reason="the shared data folder is absent")
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("bench_quality", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+@needs_data
+def test_pools_keep_the_natural_proportions_and_the_held_out_files_apart(e2e, tmp_path):
+    pools, held = e2e.write_pools(tmp_path, 600, 8)
+    sizes = {name: [len(_rows(p)) for p in paths] for name, paths in pools.items()}
+    assert sizes == {"natural": [449, 124, 27], "balanced": [200, 200, 200]}  # medquad, gpteacher, mbpp
+    assert [Path(p).stem for p in held] == ["mbpp_test", "humaneval", "mmlu_medical", "medquad_heldout"]
+    assert all(len(_rows(p)) == 8 for p in held)
+    assert not any(r.get("split") == "test" for p in pools["natural"] for r in _rows(p) if "split" in r)
+    pool_qa = {(r["question"], r["answer"]) for name in pools for r in _rows(pools[name][0])}
+    assert not pool_qa & {(r["question"], r["answer"]) for r in _rows(held[3])}
+    # MedQuAD by whole documents: the natural pool's draw holds the balanced one's (the same document order).
+    nat = {(r["question"], r["answer"]) for r in _rows(pools["natural"][0])}
+    assert {(r["question"], r["answer"]) for r in _rows(pools["balanced"][0])} <= nat
+
+
+def test_every_arm_parses_and_differs_only_in_its_keys(e2e, tmp_path):
+    args = e2e.parse_args(["--out", str(tmp_path)])
+    cfgs = {arm: parse_config(e2e.arm_config(arm, args, "natural", 1, ["a.jsonl"], ["e.jsonl"], tmp_path / arm,
+                                            e2e._budget_of(arm, {"rows": 180, "tokens_per_epoch": 31000}, args)))
+            for arm in e2e.ARMS}
+    assert cfgs["ours"].selection.budget == 0.31 and cfgs["ours"].clustering.seed == 1
+    assert cfgs["random_subset"].selection.strategy == "random" and cfgs["random_subset"].selection.budget == 180
+    assert cfgs["random_tokens"].selection.budget_tokens == 31000  # it replaces budget
+    assert cfgs["full"].selection.strategy == "full"
+    assert cfgs["paper"].preset == "cluster-paper" and cfgs["paper"].clustering.seed != 1  # the preset's seed
+    assert cfgs["rds_hier"].sketch.method == "hidden_mean" and cfgs["rds_hier"].selection.groups == "auto"
+    ours = cfgs["ours"].model_dump()
+    for arm in ("hidden_mean", "within_random", "max_tokens_128", "groups_auto", "unweighted"):
+        diff = {(s, k) for s, sec in cfgs[arm].model_dump().items() if isinstance(sec, dict)
+                for k, v in sec.items() if ours[s][k] != v and not (s == "output" and k == "dir")}
+        assert len(diff) == 1 or (arm == "hidden_mean" and diff == {("sketch", "method"), ("sketch", "pooling")}), \
+            (arm, diff)
+    for cfg in cfgs.values():  # every arm scores each epoch on the same files, features in one store
+        assert cfg.evaluation.every_epoch and cfg.evaluation.paths == ["e.jsonl"]
+        assert cfg.sketch.store == str(tmp_path / "natural" / "features") and cfg.sketch.seed == 0
+
+
+def test_the_schedule_runs_ours_first_full_once_and_the_frontier_last(e2e):
+    args = e2e.parse_args(["--seeds", "0", "1", "2"])
+    order = e2e.schedule(args)
+    for pool in ("natural", "balanced"):
+        for seed in (0, 1, 2):
+            arms = [a for p, s, a in order if (p, s) == (pool, seed) and a in e2e.HEADLINE]
+            assert arms[0] == "ours" and ("full" in arms) == (seed == 0)
+    assert Counter(a for p, s, a in order if a in e2e.ABLATIONS)["rds_hier"] == 2  # --ablation-seeds 2
+    assert [a for _, _, a in order[-4:]] == ["ours@0.2", "random_subset@0.2", "ours@0.5", "random_subset@0.5"]
+
+
+def _manifest(macro: list[float]) -> dict:
+    return {"eval_epochs": [{"epoch": e + 1, "macro_loss": m, "token_loss": m + 0.1,
+                             "files": {"/x/mbpp_test.jsonl": {"all": {"loss": m - 0.2}}}} for e, m in enumerate(macro)],
+            "eval_files": {"/x/mbpp_test.jsonl": {"before": {"all": {"loss": 2.0}}}}}
+
+
+def test_the_best_epoch_is_the_headline_and_the_last_is_beside_it(e2e):
+    f = e2e.epoch_figures(_manifest([1.3, 1.1, 1.2]))
+    assert (f["macro_loss"], f["best_epoch"], f["macro_loss_last"], f["token_loss"]) == (1.1, 2, 1.2, 1.1 + 0.1)
+    assert f["files_by_epoch"][0] == {"mbpp_test": pytest.approx(1.1)} and f["files_before"] == {"mbpp_test": 2.0}
+    with pytest.raises(RuntimeError, match="eval_epochs"):
+        e2e.epoch_figures({"eval_epochs": []})
+
+
+def test_the_summary_has_the_issue_keys(e2e, tmp_path):
+    args = e2e.parse_args(["--seeds", "0", "1", "--out", str(tmp_path), "--results", str(tmp_path / "q.json")])
+
+    def fig(m, e2e_s):
+        return {"macro_loss": m, "macro_loss_last": m + 0.01, "token_loss": m, "best_epoch": 1, "selection_s": 5.0,
+                "train_s": e2e_s - 5.0, "e2e_s": e2e_s, "rows": 10, "tokens_per_epoch": 100, "candidates": 600}
+
+    results = {"natural": {0: {"ours": fig(1.0, 50), "random_subset": fig(1.1, 45), "full": fig(0.9, 150),
+                               "ours@0.2": fig(1.05, 30), "random_subset@0.2": fig(1.2, 28)},
+                           1: {"ours": fig(1.02, 52), "random_subset": fig(1.08, 44)}}}
+    doc = e2e.write_results(args, results)
+    nat = doc["pools"]["natural"]
+    assert {"candidates", "seeds", "epochs", "full_train_s", "arms"} <= set(nat) and nat["full_train_s"] == 145.0
+    assert nat["arms"]["ours"]["macro_loss"] == [1.0, 1.02] and nat["arms"]["full"]["macro_loss"] == [0.9]
+    assert {"macro_loss", "macro_loss_last", "token_loss", "selection_s", "train_s", "e2e_s"} <= \
+        set(nat["arms"]["random_subset"])
+    assert [p["budget"] for p in doc["frontier"]["ours"]] == [0.2, 0.31]
+    assert doc["frontier"]["full"] == {"macro_loss": 0.9, "e2e_s": 150}
+    assert "defaults" in doc and doc["machine"]["commit"]
+    assert json.loads((tmp_path / "q.json").read_text())["pools"]["natural"]["arms"]["ours"]["e2e_s"] == [50, 52]
+    assert (tmp_path / "frontier.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@needs_data
+def test_a_quick_run_scores_every_epoch_and_resumes(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    argv = [sys.executable, str(BENCH), "--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path),
+            "--pools", "natural", "--arms", "ours", "random_subset", "--no-frontier"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=BENCH.parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((tmp_path / "quality.json").read_text())
+    arms = doc["pools"]["natural"]["arms"]
+    assert len(arms["ours"]["macro_by_epoch"][0]) == 2  # both epochs scored
+    assert arms["random_subset"]["rows"] == arms["ours"]["rows"]
+    assert arms["random_subset"]["selection_s"][0] < arms["ours"]["selection_s"][0]
+    # A second call finds both arms kept and runs nothing.
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=BENCH.parents[1])
+    assert again.returncode == 0 and "=====" not in again.stdout + again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["natural.ours.macro_loss"] == \
+        pytest.approx(arms["ours"]["macro_loss"][0], abs=1e-4)
