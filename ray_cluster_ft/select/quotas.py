@@ -415,16 +415,22 @@ def select(
     if strategy == "equalize":
         quotas = np.full(k, equalize_count(sizes, ratio, micro_batch_size), dtype=np.int64)
         return _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed)
-    grp = None
-    if groups is not None:
-        if xa is None:
-            raise ValueError("groups needs x: the groups are cut from the clusters' mean features")
-        grp = cluster_groups(xa, lab, groups, seed)
-    totals = sizes if nt is None else np.bincount(lab, weights=nt, minlength=k).astype(np.int64)
-    want = budget if nt is None else budget_tokens
-    quotas = water_fill_quotas(totals, want) if grp is None else group_quotas(totals, grp, want)
+    quotas, grp = _balanced_quotas(xa, lab, sizes, nt, budget if nt is None else budget_tokens, groups, seed)
     res = _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed, nt=nt)
     return res if grp is None else dataclasses.replace(res, groups=grp)
+
+
+def _balanced_quotas(xa, lab: np.ndarray, sizes: np.ndarray, nt, want: int, groups, seed: int):
+    """``balanced``'s per-cluster quotas (rows, or tokens with ``nt``) and the cluster groups (None when flat):
+    water-filling over the clusters, or over the groups first with ``groups``."""
+    if groups is None:
+        grp = None
+    elif xa is None:
+        raise ValueError("groups needs x: the groups are cut from the clusters' mean features")
+    else:
+        grp = cluster_groups(xa, lab, groups, seed)
+    totals = sizes if nt is None else np.bincount(lab, weights=nt, minlength=sizes.size).astype(np.int64)
+    return (water_fill_quotas(totals, want) if grp is None else group_quotas(totals, grp, want)), grp
 
 
 def _checked_labels(labels) -> np.ndarray | None:

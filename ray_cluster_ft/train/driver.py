@@ -265,13 +265,7 @@ def train(
     tables = build_rank_tables(plan, examples, world, weights,
                                max_tokens_per_pack=cfg.max_tokens_per_micro_batch if packing else None)
     model_dir = resolve_model_path(model_path)
-    tokenizer = None
-    if save_model:
-        from transformers import AutoTokenizer
-
-        # Loaded before the run so a model folder without a tokenizer fails now, not after training.
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-
+    tokenizer = _saved_tokenizer(model_dir, trust_remote_code) if save_model else None
     run_dir = _clear_run_dir(run_dir, resume)
 
     storage = run_dir / "ray_train" / "train"
@@ -294,6 +288,14 @@ def train(
 
     trained_path = _check_trained(run_dir, world, plan)
     return _train_result(run_dir, cfg, result.metrics or {}, total_steps, seconds, keep, trained_path, tokenizer)
+
+
+def _saved_tokenizer(model_dir: str, trust_remote_code: bool):
+    """The tokenizer saved beside the final model, loaded before the run so that a model folder without one
+    fails now, not after training."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
 def _loop_config(cfg: TrainConfig, total_steps: int, *, model_dir: str, run_dir: Path, plan_hash: str,
