@@ -25,7 +25,6 @@ def test_cluster_paper_preset_plans_cluster_per_rank_with_share_weights(tmp_path
         "data": {"paths": [str(FIXTURE)], "max_seq_len": 256, "eval_fraction": 0.1},
         "model": {"path": str(tiny_model_dir)},
         "sketch": {"batch_size": 8, "num_actors": 1},
-        "selection": {"ratio": 1.0},
         "train": {"num_workers": 2, "micro_batch_size": 4, "epochs": 2},
     }))
     out = tmp_path / "run"
@@ -40,9 +39,9 @@ def test_cluster_paper_preset_plans_cluster_per_rank_with_share_weights(tmp_path
     plan = pd.read_parquet(out / "plan.parquet")
     n_c = clusters["cluster"].value_counts().sort_index()
     s_c = sel["cluster"].value_counts().sort_index()
-    # every cluster cut to the smallest one's count (ratio 1.0), a multiple of the micro-batch
-    m = (min(n_c) // 4) * 4
-    assert s_c.tolist() == [m, m]
+    # every cluster cut to the smallest one's count (the preset's ratio 1.0), not rounded to the micro-batch
+    m = min(n_c)
+    assert s_c.tolist() == [m, m] and manifest["config"]["selection"]["ratio"] == 1.0
     # w_c = (n_c / N) / (s_c / S): with equal s_c it is K * n_c / N, the published per-rank weight
     want = (n_c / n_c.sum()) / (s_c / s_c.sum())
     np.testing.assert_allclose(sel["weight"].to_numpy(), sel["cluster"].map(want).to_numpy(), rtol=1e-12)
