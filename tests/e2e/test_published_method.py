@@ -54,3 +54,20 @@ def test_cluster_paper_preset_plans_cluster_per_rank_with_share_weights(tmp_path
     assert plan.groupby("rank")["cluster"].unique().map(list).to_dict() == {0: [0], 1: [1]}
     assert (plan.groupby(["epoch", "example_id"]).size() == 1).all()
     assert manifest["plan_metrics"]["cluster_per_rank"]["collisions_per_step"] == 0.0
+
+    # what each cluster holds: the rows' domain (the fixture's files have one source), sizes, selection, prompts
+    prof = manifest["clustering"]
+    assert prof["source_field"] == "domain" and 0.0 <= prof["nmi"] <= 1.0
+    assert [c["size"] for c in prof["clusters"]] == n_c.tolist()
+    assert [c["selected"] for c in prof["clusters"]] == s_c.tolist()
+    assert sum(c["weight"] for c in prof["clusters"]) == pytest.approx(len(sel))
+    dom = pd.read_parquet(out / "examples.parquet").set_index("example_id").loc[clusters["example_id"], "domain"]
+    for c in prof["clusters"]:
+        want = dom[clusters["cluster"].to_numpy() == c["cluster"]].value_counts(normalize=True)
+        assert c["sources"] == pytest.approx(want.to_dict())
+    prompts = [" ".join(json.loads(x)["prompt"].split()) for x in FIXTURE.read_text().splitlines()]
+    for c in prof["clusters"]:
+        assert len(c["examples"]) == 3
+        assert all(any(p.startswith(e.rstrip("…")) for p in prompts) for e in c["examples"])
+    report = (out / "report.md").read_text()
+    assert "## What each cluster holds" in report and f"{prof['nmi']:.3f}" in report
