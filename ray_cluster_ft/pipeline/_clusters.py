@@ -2,8 +2,9 @@
 and a few of its prompts; with the normalised mutual information between clusters and sources. The manifest's
 ``clustering.clusters`` / ``clustering.nmi`` and the report's "What each cluster holds" come from here.
 
-Pure (no Ray, no file I/O) and vectorised: one pass of bincounts and a groupby over the candidates, so a
-profile of 10^6 rows costs about a second; only the few example rows are decoded.
+Pure (no Ray, no file I/O) and vectorised: bincounts, one groupby and one hash of the sources over the
+candidates (10^6 rows, 100 clusters, 3 sources: 1.3-2.8 s on the 2-core development machine under load); only the
+few example rows are decoded.
 """
 
 from __future__ import annotations
@@ -81,14 +82,16 @@ def cluster_profile(labels, n_tokens, *, selected_weight=None, source=None, sour
     if source is not None:
         from sklearn.metrics import normalized_mutual_info_score
 
-        src = np.asarray(source, dtype=object).astype(str)
+        src = np.asarray(source)
         if src.shape != lab.shape:
             raise ValueError(f"source must be (N,) = {lab.shape}, got {src.shape}")
-        cross = pd.crosstab(lab, src)
-        for c, row in cross.iterrows():
-            row = row[row > 0].sort_values(ascending=False, kind="stable")
-            shares[int(c)] = {str(s): float(v / size[c]) for s, v in row.items()}
-        nmi = float(normalized_mutual_info_score(src, lab))
+        code, names = pd.factorize(src)  # hashing, not sorting, the N strings
+        m = len(names)
+        cross = np.bincount(lab * m + code, minlength=k * m).reshape(k, m)
+        for c in np.flatnonzero(size):
+            order = np.argsort(-cross[c], kind="stable")
+            shares[c] = {str(names[j]): float(cross[c, j] / size[c]) for j in order if cross[c, j]}
+        nmi = float(normalized_mutual_info_score(code, lab))
     examples = _examples(lab, k, texts, seed)
     clusters = [{"cluster": c, "size": int(size[c]), "share": float(size[c] / max(lab.size, 1)),
                  "sources": shares[c], "tokens_min": int(tok.at[c, "min"]), "tokens_max": int(tok.at[c, "max"]),

@@ -594,3 +594,21 @@ def test_cluster_per_rank_refuses_a_cluster_count_other_than_the_world_size():
     # a cluster of 3 rows: each rank trains 3, one short micro-batch per epoch
     small = make_plan(ids, (np.arange(40) < 3).astype(int), np.full(40, 5), 2, 4, strategy="cluster_per_rank").plan
     assert small.groupby("rank").size().tolist() == [3, 3]
+
+
+def test_the_published_plan_of_less_than_one_step_runs_without_a_random_baseline(tmp_path):
+    """The published plan rounds nothing: 2 ranks x 5 rows with B = 4, G = 2 is less than one whole step of a
+    random split (16 rows), so the stage plans it and leaves the baseline out instead of failing."""
+    from ray_cluster_ft.allocate import run
+    from ray_cluster_ft.config import parse_config
+    from ray_cluster_ft.rundir import prepare_run_dir
+
+    cfg = parse_config({"preset": "cluster-paper", "train": {"num_workers": 2, "micro_batch_size": 4,
+                                                             "grad_accum": 2}})
+    prepare_run_dir(tmp_path, False)
+    ids = np.array([f"x{i}" for i in range(10)])
+    out = run(cfg, tmp_path, example_ids=ids, labels=np.repeat([0, 1], 5), n_tokens=np.full(10, 7),
+              selected=np.arange(10), reasons=["peripheral"] * 10)
+    assert out.baseline is None and list(out.metrics) == ["cluster_per_rank"]
+    assert out.plan.groupby("rank").size().tolist() == [5 * 1, 5 * 1]  # one epoch of 5 rows per rank
+    assert pd.read_parquet(tmp_path / "selection.parquet")["weight"].tolist() == [1.0] * 10
