@@ -346,8 +346,7 @@ def select(
     Args:
         strategy: ``balanced``, ``equalize``, ``random`` or ``full``.
         x: (N, d) sketches; required for ``balanced`` and ``equalize`` with ``kcenter`` / ``strata``.
-        labels: int (N,) clusters 0..k-1; required for ``balanced`` and ``equalize``, optional otherwise (used
-            for ``quotas``).
+        labels: int (N,) clusters 0..k-1; required for ``balanced`` and ``equalize`` (else only for ``quotas``).
         dist: (N,) distance to the own centroid; required for ``balanced`` and ``equalize``.
         budget: rows to select, 0 <= budget <= N (``random``, ``balanced``).
         within: ``kcenter``, ``strata``, ``peripheral``, ``central`` or ``random`` (``balanced``, ``equalize``).
@@ -360,8 +359,7 @@ def select(
             0 <= budget_tokens <= sum(n_tokens). ``balanced``: :func:`water_fill_quotas` over the clusters'
             token totals gives each cluster a token quota; inside a cluster the members are taken in the
             ``within`` pick order while their tokens fit the quota (see :func:`_select_tokens_within`).
-            ``random``: a seeded permutation of the rows, taken in order while the tokens fit the budget (the
-            longest prefix within it).
+            ``random``: a seeded permutation of the rows, its longest prefix within the budget.
         groups: ``balanced`` only: ``None`` = flat (every cluster one share); ``"auto"`` or a count: the budget
             (rows or tokens) is shared between groups of similar clusters first (:func:`cluster_groups`,
             :func:`group_quotas`); needs ``x``.

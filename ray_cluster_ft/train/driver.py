@@ -237,11 +237,9 @@ def train(
         trust_remote_code: passed to ``from_pretrained``.
         save_model: write ``run_dir/final_model`` (HF format + tokenizer).
         pad_token_id: id used to right-pad micro-batches (masked out of attention and loss).
-        attn_implementation: the model's attention kernel (``model.attn_implementation``); ``None`` = the
-            library's choice.
-        weights: per-example loss weights indexed by ``example_id`` (the selection weights, for
-            ``train.loss_weighting: cluster``); ``None`` weighs every example 1. Either way the loss is
-            token-exact (:mod:`ray_cluster_ft.train.step`).
+        attn_implementation: the model's attention kernel (``model.attn_implementation``; ``None``: the library's).
+        weights: per-example loss weights by ``example_id`` (the selection weights, ``train.loss_weighting:
+            cluster``); ``None`` weighs every example 1; the loss is token-exact (:mod:`ray_cluster_ft.train.step`).
         packing: the plan's micro-batches are packs (``allocation.packing``): any number of whole rows per
             ``(rank, step, micro_index)``, at most ``cfg.max_tokens_per_micro_batch`` tokens each (when set), each
             trained as one padding-free sequence with ``position_ids`` restarting per example
@@ -251,9 +249,8 @@ def train(
             evaluation (``evaluation.every_epoch``); the last epoch's model is ``final_model``.
         resume: continue from the newest complete checkpoint under ``run_dir/ray_train`` (a stopped run of the
             same plan: Ray's latest, or a newer complete one on disk; incomplete ones are skipped and reported);
-            False starts clean, deleting that run's checkpoints and logs. Checkpoints other than the final one
-            are removed after the run; with ``cfg.final_checkpoint`` off no final one is written and none is
-            kept (only ``final_model/``).
+            False starts clean, deleting that run's checkpoints and logs. Only the final checkpoint is kept after
+            the run (none with ``cfg.final_checkpoint`` off: only ``final_model/``).
 
     Fault tolerance: ``cfg.max_failures`` worker-group restarts, each resuming from the latest checkpoint
     (written every ``cfg.checkpoint_every`` steps and at the end). For tests, ``$RAY_CLUSTER_FT_FAIL_AT_STEP=N``
