@@ -69,6 +69,11 @@ def check_against_data(cfg: JobConfig, n_train: int, n_read: int | None = None,
                 f"train.num_workers={t.num_workers} x train.grad_accum={t.grad_accum} = {per_step} packs per "
                 f"optimizer step, but the selection holds only {n_sel} examples: some ranks would get no pack")
         return
+    if cfg.allocation.strategy == "cluster_per_rank":  # the published plan: short micro-batches and steps allowed
+        if n_train < t.num_workers:
+            raise ConfigError(f"train.num_workers={t.num_workers} ranks each train a cluster of their own, but there "
+                              f"are only {n_train} accepted training examples")
+        return
     per_step = t.num_workers * t.micro_batch_size * t.grad_accum
     if n_sel < per_step:
         raise ConfigError(

@@ -5,14 +5,17 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 PRESETS: dict[str, dict] = {
-    # The published method as its official code runs it (kaist-dmlab/CluSTER, src/CluSTER/call_back.py):
-    # last-layer gradient proxy, KMeans with k = the number of GPUs and a 1.5 N/K soft cap, every cluster cut
-    # to half the smallest one keeping the points farthest from their centroid, rank r trains cluster r, and
-    # each rank's loss weighted back to its cluster's share of the data.
+    # The published method as its official code runs it with its defaults (kaist-dmlab/CluSTER,
+    # src/CluSTER/call_back.py and train_grad.py: seed 42, ratio 100, prune "close", dataloader_drop_last off):
+    # last-layer gradient proxy, KMeans(random_state=42) with k = the number of GPUs and a 1.5 N/K soft cap,
+    # every cluster cut to the smallest one's size keeping the points farthest from their centroid (no rounding
+    # to the micro-batch: a rank's last micro-batch may be short), rank r trains cluster r, and each rank's loss
+    # weighted back to its cluster's share of the data. At world size 1: one cluster, every row, weight 1.
     "cluster-paper": {
         "sketch": {"method": "last_layer"},
-        "clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.5, "cap_by": "rows"},
-        "selection": {"strategy": "equalize", "ratio": 0.5, "within": "peripheral"},
+        "clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.5, "cap_by": "rows",
+                       "seed": 42},
+        "selection": {"strategy": "equalize", "ratio": 1.0, "within": "peripheral"},
         "allocation": {"strategy": "cluster_per_rank"},
         "train": {"loss_weighting": "cluster"},
     },

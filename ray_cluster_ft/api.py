@@ -275,7 +275,7 @@ def select_and_plan(features, n_tokens, cfg: JobConfig, *, example_ids=None) -> 
         TypeError: ``cfg`` is not a JobConfig.
         ValueError: shapes disagree, ids repeat, features missing or not finite, as :func:`cluster_sketches`.
         ConfigError: the config is impossible for N examples (as at the start of a run), or ``equalize``
-            leaves less than a micro-batch per cluster.
+            leaves no row per cluster.
     """
     if not isinstance(cfg, JobConfig):
         raise TypeError(f"select_and_plan: cfg must be a JobConfig, got {type(cfg).__name__}")

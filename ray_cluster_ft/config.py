@@ -302,12 +302,14 @@ class SelectionConfig(Section):
     """Which examples to train on (``select/quotas.py``, ``select/within.py``). The selected count is rounded
     down to whole optimizer steps, a multiple of ``train.num_workers x train.micro_batch_size x
     train.grad_accum``, so every rank gets the same number of full micro-batches; the manifest says by how many
-    (``budget.rounded_down_by``)."""
+    (``budget.rounded_down_by``). ``allocation.strategy: cluster_per_rank`` (the published allocation) rounds
+    nothing: every rank trains its whole cluster, its last micro-batch and last step may be short."""
 
     strategy: Literal["balanced", "random", "full", "equalize"] = Field(
         "balanced", description="``balanced`` (the method: water-filled quotas per cluster at ``budget``), "
                                 "``equalize`` (the published selection: every cluster cut to floor(``ratio`` x "
-                                "smallest cluster), a multiple of train.micro_batch_size; ``budget`` unused), "
+                                "smallest cluster), no rounding to the micro-batch, one cluster kept whole; "
+                                "``budget`` unused), "
                                 "``random`` (a seeded subset of the same budget), ``full`` (every candidate)")
     budget: float = Field(0.31, gt=0, description="fraction in (0, 1] of the candidates (1 = all), or a count of "
                                                 "examples if > 1")
@@ -319,8 +321,10 @@ class SelectionConfig(Section):
     dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates "
                                                                     "(kcenter and strata reach them last; 1 = off)")
     seed: int = seed_field("selection seed")
-    ratio: float = Field(0.5, gt=0, le=1.0, description="equalize only: share of the smallest cluster kept per "
-                                                        "cluster; another value with another strategy is refused")
+    ratio: float = Field(1.0, gt=0, le=1.0, description="equalize only: share of the smallest cluster kept per "
+                                                        "cluster: 1.0 (the published default), 0.75 and 0.5 (the "
+                                                        "paper's other settings); another value with another "
+                                                        "strategy is refused")
     groups: Literal["auto"] | int | None = Field(
         None, description="balanced only: share the budget first equally between groups of similar clusters, then "
                           "between the clusters of each group (hierarchical balanced sampling, so a kind of row "

@@ -132,7 +132,7 @@ def plan_metrics(plan: pd.DataFrame, world_size: int, max_tokens_per_micro_batch
 
 
 def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_accum: int = 1,
-               max_tokens_per_micro_batch: int | None = None) -> int:
+               max_tokens_per_micro_batch: int | None = None, short_tail: bool = False) -> int:
     """Enforce the hard rules that keep data-parallel training from hanging.
 
     Checks: every rank 0..W-1 present and none outside; the same number of micro-batches on every rank; every
@@ -140,6 +140,11 @@ def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_
     instead, every pack holds at most that many tokens); every (rank, step) has micro_index 0..G-1; every step
     has all ranks; every step lies in one epoch and steps increase with epochs. The trainer runs this on the
     driver before any worker starts.
+
+    ``short_tail=True`` (the published ``cluster_per_rank`` plan, which rounds nothing): the last micro-batch of
+    each rank and epoch may hold fewer rows (at least one), and the last step of each epoch may hold fewer than
+    G micro-batches (micro_index 0..g-1, the same g on every rank). The trainer then marks each step's last
+    micro-batch as the accumulation boundary itself.
 
     Returns:
         The number of optimizer steps.
@@ -183,6 +188,11 @@ def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_
             raise ValueError(f"pack (rank {r}, step {s}, micro_index {m}) holds {size} tokens, above "
                              f"max_tokens_per_micro_batch={cap}")
         bad = mb.iloc[:0]
+    elif short_tail:
+        flat = mb.reset_index()
+        flat["epoch"] = flat["step"].map(plan.groupby("step")["epoch"].first()) if "epoch" in plan.columns else 0
+        last = pd.MultiIndex.from_frame(flat.groupby(["rank", "epoch"]).tail(1)[["rank", "step", "micro_index"]])
+        bad = mb[(mb > b) | ((mb < b) & ~mb.index.isin(last))]
     else:
         bad = mb[mb != b]
     if len(bad):
@@ -191,13 +201,7 @@ def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_
             f"micro-batch (rank {r}, step {s}, micro_index {m}) has {size} rows, expected micro_batch_size={b}"
         )
     per_rank_step = mb.reset_index().groupby(["rank", "step"])["micro_index"].agg(["size", "min", "max"])
-    wrong = per_rank_step[(per_rank_step["size"] != g) | (per_rank_step["min"] != 0) | (per_rank_step["max"] != g - 1)]
-    if len(wrong):
-        r, s = wrong.index[0]
-        raise ValueError(
-            f"rank {r} step {s} has micro_index values {sorted(mb.loc[(r, s)].index.tolist())}, "
-            f"expected 0..{g - 1} (grad_accum={g})"
-        )
+    _check_step_sizes(mb, per_rank_step, g, short_tail, plan)
     ranks_per_step = mb.reset_index().groupby("step")["rank"].nunique()
     short = ranks_per_step[ranks_per_step != w]
     if len(short):
@@ -213,6 +217,31 @@ def check_plan(plan: pd.DataFrame, world_size: int, micro_batch_size: int, grad_
         if np.any(np.diff(epochs_per_step["min"].to_numpy()) < 0):
             raise ValueError("plan steps must increase with epochs")
     return int(ranks_per_step.size)
+
+
+def _check_step_sizes(mb: pd.Series, per_rank_step: pd.DataFrame, g: int, short_tail: bool,
+                      plan: pd.DataFrame) -> None:
+    """Every (rank, step) has micro_index 0..G-1; with ``short_tail`` the last step of an epoch may have
+    0..g-1 for a g < G, the same g on every rank of that step. ValueError naming the first offender."""
+    size, lo, hi = (per_rank_step[c] for c in ("size", "min", "max"))
+    full = (size == g) & (lo == 0) & (hi == g - 1)
+    if short_tail:
+        steps = per_rank_step.index.get_level_values("step")
+        last = plan.groupby("epoch")["step"].max() if "epoch" in plan.columns else pd.Series([steps.max()])
+        contiguous = (lo == 0) & (hi == size - 1) & (size <= g) & np.isin(steps, last.to_numpy())
+        full = full | contiguous
+        uneven = per_rank_step["size"].groupby(level="step").nunique()
+        if (uneven > 1).any():
+            s = int(uneven.index[np.argmax(uneven.to_numpy() > 1)])
+            raise ValueError(f"step {s} has different micro-batch counts on its ranks; uneven counts hang the "
+                             f"collective ops of data-parallel training")
+    wrong = per_rank_step[~full]
+    if len(wrong):
+        r, s = wrong.index[0]
+        raise ValueError(
+            f"rank {r} step {s} has micro_index values {sorted(mb.loc[(r, s)].index.tolist())}, "
+            f"expected 0..{g - 1} (grad_accum={g})" + (" (fewer only in an epoch's last step)" if short_tail else "")
+        )
 
 
 def plan_hash(plan: pd.DataFrame) -> str:

@@ -16,6 +16,9 @@ each kept example appears exactly once per epoch. Hence only the largest multipl
 ``world_size * micro_batch_size * grad_accum`` examples is kept; the rest are reported as ``dropped``. A packed
 plan (``packing=True``) has the same schema: a micro-batch is a pack of whole examples within
 ``max_tokens_per_micro_batch`` tokens, any number of rows; it drops nothing (``cluster_per_rank`` excepted).
+The published ``cluster_per_rank`` plan (unpacked) rounds nothing: each rank's last micro-batch of an epoch may
+be short, and so may the epoch's last step (fewer than ``grad_accum`` micro-batches, as many on every rank);
+:func:`ray_cluster_ft.allocate.check_plan` accepts that with ``short_tail=True``.
 
 All functions are pure and deterministic for a given seed.
 """
@@ -222,10 +225,14 @@ def cluster_per_rank_plan(ids: np.ndarray, cl: np.ndarray, nt: np.ndarray, w: in
     In the paper's code (kaist-dmlab/CluSTER, ``call_back.py``: ``_interleave_equal_clusters`` with
     Accelerate's strided sharding, re-shuffled per epoch preserving position mod W) the K = W clusters are
     interleaved so that rank r sees only cluster r. Here the same assignment is a plan: clusters in ascending
-    label order map to ranks 0..W-1; every rank keeps the same number of rows, the smallest cluster's count
-    rounded down to whole optimizer steps (``B * G``), the others' extra rows are a seeded random choice and
-    are reported as dropped; each epoch every rank's rows are permuted with a stream of (seed, epoch, rank)
-    and cut into consecutive micro-batches.
+    label order map to ranks 0..W-1; every rank keeps the smallest cluster's count n (all of every cluster
+    after the published equal cut; otherwise the others' extra rows are a seeded random choice, reported as
+    dropped), nothing rounded: each epoch every rank's rows are permuted with a stream of (seed, epoch, rank)
+    and cut into consecutive micro-batches of ``b`` rows, the last one holding ``n mod b`` when that is not 0
+    (the published ``dataloader_drop_last`` is off), and consecutive groups of ``g`` micro-batches form the
+    steps, the last step of an epoch holding the ceil(n / b) mod g left when that is not 0 (as Hugging Face's
+    Trainer steps at the end of an epoch). Every rank has the same micro-batches per step, so no collective
+    waits; the trainer marks each step's last micro-batch as DeepSpeed's accumulation boundary.
 
     Args:
         ids: str (N,); cl: int (N,) cluster labels with exactly ``w`` distinct values; nt: int (N,) tokens.
@@ -235,27 +242,33 @@ def cluster_per_rank_plan(ids: np.ndarray, cl: np.ndarray, nt: np.ndarray, w: in
         :class:`PlanResult` (the plan sorted by rank, epoch, step, micro_index, position).
 
     Raises:
-        ValueError: not exactly ``w`` clusters, or the smallest cluster holds fewer than ``B * G`` rows.
+        ValueError: not exactly ``w`` clusters.
     """
     labels, code = np.unique(cl, return_inverse=True)
     if labels.size != w:
         raise ValueError(f"cluster_per_rank needs exactly world_size={w} clusters (rank r trains cluster r), got "
                          f"{labels.size}")
     members = [np.flatnonzero(code == r) for r in range(w)]
-    per_rank = (min(m.size for m in members) // (b * g)) * (b * g)
-    if per_rank == 0:
-        raise ValueError(f"cluster_per_rank: the smallest cluster holds {min(m.size for m in members)} rows, fewer "
-                         f"than one optimizer step of micro_batch_size={b} x grad_accum={g} on its rank")
-    kept = [np.sort(_rng(seed, _TAG_DROP, r).choice(m, size=per_rank, replace=False)) for r, m in enumerate(members)]
+    per_rank = min(m.size for m in members)
+    kept = [m if m.size == per_rank else np.sort(_rng(seed, _TAG_DROP, r).choice(m, size=per_rank, replace=False))
+            for r, m in enumerate(members)]
     drop = np.sort(np.setdiff1d(np.arange(ids.size), np.concatenate(kept)))
-    steps = per_rank // (b * g)
-    mb_rows, scheds = [], []
-    for e in range(epochs):
-        for r in range(w):
-            mb_rows.append(_rng(seed, _TAG_ORDER, e, r).permutation(kept[r]).reshape(-1, b))
-        ids_grid = e * w * steps * g + np.arange(w * steps * g).reshape(w, steps, g)  # rank-major
-        scheds.append(ids_grid.transpose(1, 2, 0))  # step, micro_index, rank
-    plan = _rows_frame(np.stack(scheds), np.concatenate(mb_rows), ids, cl, nt, steps)
+    n_mb = -(-per_rank // b)
+    steps = -(-n_mb // g)
+    pos = np.arange(per_rank)
+    mb = pos // b  # micro-batch of each position in a rank's epoch order
+    step_in_epoch, micro = mb // g, mb % g
+    frames = []
+    for r in range(w):
+        for e in range(epochs):
+            rows = _rng(seed, _TAG_ORDER, e, r).permutation(kept[r])
+            frames.append(pd.DataFrame({"epoch": np.full(per_rank, e, dtype=np.int64),
+                                        "step": (e * steps + step_in_epoch).astype(np.int64),
+                                        "rank": np.full(per_rank, r, dtype=np.int64),
+                                        "micro_index": micro.astype(np.int64),
+                                        "example_id": ids[rows].astype(object),
+                                        "cluster": cl[rows].astype(np.int64), "n_tokens": nt[rows].astype(np.int64)}))
+    plan = pd.concat(frames, ignore_index=True)[PLAN_COLUMNS]
     return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(ids.size))
 
 
@@ -369,7 +382,8 @@ def make_plan(
     ``cluster``. The examples dropped are a seeded random choice, as in ``random``.
 
     ``cluster_per_rank`` (the published method's allocation, :func:`cluster_per_rank_plan`): rank r trains
-    only the r-th cluster (clusters in ascending label order; there must be exactly ``world_size``).
+    only the r-th cluster (clusters in ascending label order; there must be exactly ``world_size``), all of it
+    when the clusters are equal, with a short last micro-batch and step where the count asks for them.
 
     Args:
         example_ids: str (N,) unique ids.
@@ -428,13 +442,13 @@ def _padded_plan(ids, cl, nt, w: int, b: int, g: int, n_epochs: int, strategy: s
     """:func:`make_plan` without packing: micro-batches of ``B`` rows, the rows beyond whole steps dropped."""
     n = ids.size
     unit = w * b * g
+    if strategy == "cluster_per_rank":
+        return cluster_per_rank_plan(ids, cl, nt, w, b, g, n_epochs, seed)
     if n < unit:
         raise ValueError(
             f"{n} examples cannot fill one optimizer step of world_size={w} x micro_batch_size={b} x "
             f"grad_accum={g} = {unit}: some ranks would get no micro-batch"
         )
-    if strategy == "cluster_per_rank":
-        return cluster_per_rank_plan(ids, cl, nt, w, b, g, n_epochs, seed)
     n_drop = n - (n // unit) * unit
     if strategy in ("random", "length"):
         drop = np.sort(_rng(seed, _TAG_DROP).choice(n, size=n_drop, replace=False)).astype(np.int64)

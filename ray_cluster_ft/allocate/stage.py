@@ -25,8 +25,9 @@ class AllocateOutput:
     Attributes:
         plan: the plan frame (:data:`ray_cluster_ft.allocate.PLAN_COLUMNS`).
         result: :class:`PlanResult` (the plan, the ids dropped to make every rank's micro-batch count equal).
-        baseline: the ``random`` plan of the same selection (``None`` when the strategy is ``random``); with
-            ``allocation.packing`` the random *packed* plan (the conventional packing baseline).
+        baseline: the ``random`` plan of the same selection (``None`` when the strategy is ``random``, or when the
+            selection fills no whole step of a random split); with ``allocation.packing`` the random *packed* plan
+            (the conventional packing baseline).
         metrics: ``{strategy: plan_metrics, "random (baseline)": plan_metrics}``.
         weights: float64 per planned example, indexed by ``example_id``: the selection weight
             (:func:`ray_cluster_ft.select.selection_weights`, mean 1), also ``selection.parquet``'s ``weight``.
@@ -108,7 +109,10 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
     cap = cfg.train.max_tokens_per_micro_batch if cfg.allocation.packing else None
     metrics = {cfg.allocation.strategy: plan_metrics(plan, W, cap)}
     baseline = None
-    if cfg.allocation.strategy != "random":
+    t = cfg.train
+    # The published plan may hold less than one whole step of W x B x G rows, which a random split cannot fill.
+    fits = len(selected) >= W * t.grad_accum * (1 if cfg.allocation.packing else t.micro_batch_size)
+    if cfg.allocation.strategy != "random" and fits:
         baseline = plan_selection(cfg, example_ids, labels, n_tokens, selected, reasons, strategy="random")[0].plan
         metrics["random (baseline)"] = plan_metrics(baseline, W, cap)
     print(f"[ray-cluster-ft] plan: {json.dumps(metrics, default=float)}", flush=True)

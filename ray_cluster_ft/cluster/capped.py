@@ -43,8 +43,8 @@ def euclidean_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
 
     Returns:
         labels int32 (N,) (scikit-learn's ``labels_``); dist float32 (N,) squared Euclidean distance to the own
-        centre; centroids float32 (k, d) (``cluster_centers_``). A cluster is empty only when x has fewer than
-        k distinct rows.
+        centre; centroids float32 (k, d) (``cluster_centers_``; for k = 1 no k-means runs: every row in cluster
+        0, the centre their mean). A cluster is empty only when x has fewer than k distinct rows.
 
     Raises:
         ValueError: x not 2-D, empty, non-numeric or with NaN/inf; k < 1 or k > N.
@@ -54,6 +54,10 @@ def euclidean_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
 
     arr = _as_matrix(x)
     k = _check_k(k, arr.shape[0])
+    if k == 1:  # the published code does not cluster at world size 1: one cluster, its centre the mean
+        labels = np.zeros(arr.shape[0], dtype=np.int32)
+        centroids = arr.mean(axis=0, dtype=np.float64, keepdims=True).astype(np.float32)
+        return labels, _sq_distance(arr, labels, centroids), centroids
     with warnings.catch_warnings():
         # Fewer distinct rows than k: sklearn warns and leaves clusters empty; cluster_sketches drops them.
         warnings.simplefilter("ignore", ConvergenceWarning)

@@ -71,7 +71,8 @@ def feature_counts(sketch: dict | None) -> dict:
 
 
 def pipeline_manifest(cfg, run_dir: Path, timer: StageTimer, *, spec: dict, resumed: bool, models: dict, data,
-                      features, cluster, select, allocate, train, before, after, epochs=None) -> dict:
+                      features, cluster, select, allocate, train, before, after, epochs=None,
+                      profile: dict | None = None) -> dict:
     """The manifest of a run from its stages' outputs: config, seeds, versions, counts, budget, checks,
     evaluation, training figures and timings (``timings["total"]`` is set here).
 
@@ -98,6 +99,8 @@ def pipeline_manifest(cfg, run_dir: Path, timer: StageTimer, *, spec: dict, resu
             (plan only).
         epochs: with ``evaluation.every_epoch``, the per-epoch rows (the manifest's ``eval_epochs``; the best
             one's epoch and model folder go to ``eval.best_epoch`` and ``eval.best_model``), else None.
+        profile: what each cluster holds (``ray_cluster_ft.pipeline._clusters.cluster_profile``: ``source_field``,
+            ``nmi``, ``clusters``), added to the manifest's ``clustering``; None when nothing was clustered.
 
     Returns:
         The manifest dict, keys in the order ``manifest.json`` has them.
@@ -107,7 +110,7 @@ def pipeline_manifest(cfg, run_dir: Path, timer: StageTimer, *, spec: dict, resu
     if features is not None:
         manifest["sketch"] = features.summary
     if cluster is not None:
-        manifest["clustering"] = cluster.summary
+        manifest["clustering"] = {**cluster.summary, **(profile or {})}
     manifest["plan_metrics"] = allocate.summary
     check = train.checks if train is not None else dict(NOT_TRAINED)
     d = data.summary

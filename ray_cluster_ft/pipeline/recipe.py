@@ -97,7 +97,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
             before, trained, after, epochs = _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume)
     manifest = pipeline_manifest(cfg, run_dir, timer, spec=spec, resumed=resume, models=models, data=ds,
                                  features=feats, cluster=clusters, select=sel, allocate=alloc, train=trained,
-                                 before=before, after=after, epochs=epochs)
+                                 before=before, after=after, epochs=epochs,
+                                 profile=_profile(cfg, ds, labels, n_tokens, alloc) if clustered else None)
     return _finish(run_dir, manifest, alloc, labels, sel, trained)
 
 
@@ -171,6 +172,20 @@ def _features(cfg: JobConfig, run_dir: Path, ds, timer: StageTimer):
             sketch_model = warm_up(inputs, cfg, claim(run_dir, "warmup"))
     with timer.stage("sketch"):
         return features.run(cfg, run_dir, candidates=ds.result.train, inputs=inputs, sketch_model=sketch_model)
+
+
+def _profile(cfg: JobConfig, ds, labels: np.ndarray, n_tokens: np.ndarray, alloc) -> dict:
+    """What each cluster holds (:func:`ray_cluster_ft.pipeline._clusters.cluster_profile`): the rows' ``source``
+    (the file, or the row's own field), else their ``domain``, whichever tells rows apart; the planned rows'
+    selection weights; prompts decoded with the run's tokenizer."""
+    from ._clusters import cluster_profile, pick_source, prompt_texts
+
+    cand = ds.result.train
+    field, source = pick_source({c: cand.column(c).to_numpy(zero_copy_only=False) for c in ("source", "domain")})
+    ids = cand.column("example_id").to_numpy(zero_copy_only=False).astype(str)
+    weight = alloc.weights.reindex(ids).to_numpy(np.float64)
+    return cluster_profile(labels, n_tokens, selected_weight=weight, source=source, source_field=field,
+                           texts=prompt_texts(cand, ds.tokenizer), seed=cfg.clustering.seed)
 
 
 def _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume) -> tuple:

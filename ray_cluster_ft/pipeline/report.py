@@ -213,6 +213,7 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
     lines += _cluster_map_lines(manifest.get("clustering", {}))
     if labels is not None and len(labels):
         lines += _clusters_figure(run_dir / "clusters.png", labels, selected_idx)
+    lines += _cluster_contents_lines(manifest.get("clustering", {}))
 
     packed = any("pack_fill" in m for m in pm.values()) if pm else False
     lines += _load_figure(run_dir / "load.png", plan, packed)
@@ -265,6 +266,35 @@ def _clusters_figure(path: Path, labels: np.ndarray, selected_idx: np.ndarray) -
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return ["## Clusters and per-cluster selection", "", "![clusters](clusters.png)", ""]
+
+
+def _cluster_contents_lines(clustering: dict) -> list[str]:
+    """"What each cluster holds": per cluster its size, its largest sources, token lengths, selected rows and
+    weight, then three example prompts; the NMI between clusters and source (the manifest's
+    ``clustering.clusters`` and ``clustering.nmi``)."""
+    clusters = clustering.get("clusters")
+    if not clusters:
+        return []
+    field = clustering.get("source_field")
+    if field is None:
+        head = "No source is known (every row has the same `source` and `domain`), so no NMI."
+    else:
+        head = (f"Source: the rows' `{field}`. Normalised mutual information between clusters and {field}: "
+                f"{clustering['nmi']:.3f} (1 = every cluster holds one {field} and every {field} one cluster).")
+
+    def top(shares: dict) -> str:
+        parts = [f"{s} {v:.0%}" for s, v in list(shares.items())[:3]]
+        return ", ".join(parts) + (f", +{len(shares) - 3} more" if len(shares) > 3 else "") if parts else "-"
+
+    rows = [[c["cluster"], c["size"], top(c["sources"]), f"{c['tokens_min']}–{c['tokens_max']}",
+             round(c["tokens_mean"], 1), c["selected"], round(c["weight"], 3)] for c in clusters]
+    lines = ["## What each cluster holds", "", head, "",
+             _table(["cluster", "rows", f"{field or 'source'} (share of its rows)", "tokens", "mean tokens",
+                     "selected", "weight (sum)"], rows), "", "Example prompts (a seeded choice, cut at 120 characters):",
+             ""]
+    for c in clusters:
+        lines += [f"- cluster {c['cluster']}: " + " · ".join(f"“{t}”" for t in c["examples"])]
+    return lines + [""]
 
 
 def _load_figure(path: Path, plan: pd.DataFrame, packed: bool) -> list[str]:

@@ -10,7 +10,7 @@ and ``full`` (everything).
 
 ``equalize`` is the published CluSTER selection as its official code does it (kaist-dmlab/CluSTER
 ``src/CluSTER/call_back.py``, ``_kmeans_prune_equalize_interleave``): every cluster is cut to the same count,
-a share of the smallest cluster rounded down to whole micro-batches (:func:`equalize_count`), by the
+floor(ratio x the smallest cluster) (:func:`equalize_count`; one cluster, as at world size 1, is kept whole), by the
 distance orders ``peripheral`` / ``central`` / ``random`` (the published ``prune_type``s; see
 :func:`select_within`) or by k-center / strata. :func:`selection_weights` gives each selected row the weight
 that restores its cluster's share of the candidates (the published per-rank weights).
@@ -236,43 +236,39 @@ def group_quotas(sizes, groups, budget: int) -> np.ndarray:
     return out
 
 
-def equalize_count(sizes, ratio: float, micro_batch_size: int) -> int:
-    """The per-cluster count m of ``equalize``: floor(ratio x smallest cluster), rounded down to a multiple of
-    the micro-batch.
+def equalize_count(sizes, ratio: float) -> int:
+    """The per-cluster count m of ``equalize``: floor(ratio x smallest cluster).
 
-    As the published ``_kmeans_prune_equalize_interleave`` (``m * ratio // 100``, then
-    ``(m // micro) * micro``), with the ratio a fraction instead of a percentage: the product is taken on the
-    decimal as written (0.29 x 100 = 29, where binary floating point gives 28.999... and floor 28).
+    As the published ``_kmeans_prune_equalize_interleave`` with its defaults (``m * ratio // 100``; the
+    ``(m // micro) * micro`` rounding there applies only with ``dataloader_drop_last``, off in its
+    ``train_grad.py``), with the ratio a fraction instead of a percentage: the product is taken on the decimal
+    as written (0.29 x 100 = 29, where binary floating point gives 28.999... and floor 28). Nothing is rounded
+    to the micro-batch: a rank's last micro-batch may be short (``allocation.strategy: cluster_per_rank``).
 
     Args:
         sizes: int (k,) cluster sizes, k >= 1.
         ratio: share of the smallest cluster, in (0, 1].
-        micro_batch_size: rows per micro-batch (>= 1).
 
     Returns:
-        m >= micro_batch_size.
+        m >= 1.
 
     Raises:
-        ValueError: no clusters, ratio out of range, bad micro-batch size.
-        ConfigError: m rounds down to 0 (the message names the sizes, the ratio and the micro-batch).
+        ValueError: no clusters, ratio out of range.
+        ConfigError: m rounds down to 0 (the message names the sizes and the ratio).
     """
     sz = np.asarray(sizes, dtype=np.int64)
     if sz.ndim != 1 or sz.size == 0:
         raise ValueError(f"sizes must be a non-empty 1-D array, got shape {sz.shape}")
     if not (0.0 < float(ratio) <= 1.0):
         raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
-    micro = _check_int("micro_batch_size", micro_batch_size, lo=1)
     smallest = int(sz.min())
     m = math.floor(Fraction(repr(float(ratio))) * smallest)
-    m_adj = m // micro * micro
-    if m_adj == 0:
+    if m == 0:
         shown = ", ".join(map(str, sz[:20].tolist())) + (", ..." if sz.size > 20 else "")
         raise ConfigError(
             f"selection.strategy 'equalize' keeps floor(selection.ratio={ratio} x {smallest}, the smallest cluster) "
-            f"= {m} rows of every cluster (cluster sizes [{shown}]), less than one micro-batch of "
-            f"train.micro_batch_size={micro}: raise selection.ratio, lower train.micro_batch_size or use fewer "
-            f"clusters")
-    return int(m_adj)
+            f"= 0 rows of every cluster (cluster sizes [{shown}]): raise selection.ratio or use fewer clusters")
+    return int(m)
 
 
 def selection_weights(labels, selected, strategy: str) -> np.ndarray:
@@ -331,8 +327,7 @@ def select(
     dedup_threshold: float = 0.995,
     seed: int = 0,
     n: Optional[int] = None,
-    ratio: float = 0.5,
-    micro_batch_size: int = 1,
+    ratio: float = 1.0,
     n_tokens=None,
     budget_tokens: Optional[int] = None,
     groups=None,
@@ -343,16 +338,15 @@ def select(
       :func:`select_within` in each cluster (cluster c draws with a seed derived from ``(seed, c)``).
     - ``equalize`` (the published CluSTER selection, kaist-dmlab/CluSTER ``src/CluSTER/call_back.py``,
       ``_kmeans_prune_equalize_interleave``): every cluster gives the same m = :func:`equalize_count`
-      ``(sizes, ratio, micro_batch_size)`` rows, K x m in all (``budget`` unused), chosen by
-      :func:`select_within` as for ``balanced``.
+      ``(sizes, ratio)`` rows, K x m in all (``budget`` unused), chosen by :func:`select_within` as for
+      ``balanced``; a single cluster (the published world size 1: no clustering, no pruning) is kept whole.
     - ``random``: a seeded uniform sample of ``budget`` rows without replacement (the baseline).
     - ``full``: every row (``budget`` ignored).
 
     Args:
         strategy: ``balanced``, ``equalize``, ``random`` or ``full``.
         x: (N, d) sketches; required for ``balanced`` and ``equalize`` with ``kcenter`` / ``strata``.
-        labels: int (N,) clusters 0..k-1; required for ``balanced`` and ``equalize``, optional otherwise (used
-            for ``quotas``).
+        labels: int (N,) clusters 0..k-1; required for ``balanced`` and ``equalize`` (else only for ``quotas``).
         dist: (N,) distance to the own centroid; required for ``balanced`` and ``equalize``.
         budget: rows to select, 0 <= budget <= N (``random``, ``balanced``).
         within: ``kcenter``, ``strata``, ``peripheral``, ``central`` or ``random`` (``balanced``, ``equalize``).
@@ -360,14 +354,12 @@ def select(
         seed: seed of every random choice.
         n: number of rows when neither x nor labels is given (``random`` / ``full`` without sketches).
         ratio: ``equalize``: share of the smallest cluster, in (0, 1].
-        micro_batch_size: ``equalize``: m is a multiple of it (``train.micro_batch_size``).
         n_tokens: int (N,) tokens per row; needed with ``budget_tokens``.
         budget_tokens: a budget in tokens instead of rows (``balanced``, ``random``; ``budget`` is then unused),
             0 <= budget_tokens <= sum(n_tokens). ``balanced``: :func:`water_fill_quotas` over the clusters'
             token totals gives each cluster a token quota; inside a cluster the members are taken in the
             ``within`` pick order while their tokens fit the quota (see :func:`_select_tokens_within`).
-            ``random``: a seeded permutation of the rows, taken in order while the tokens fit the budget (the
-            longest prefix within it).
+            ``random``: a seeded permutation of the rows, its longest prefix within the budget.
         groups: ``balanced`` only: ``None`` = flat (every cluster one share); ``"auto"`` or a count: the budget
             (rows or tokens) is shared between groups of similar clusters first (:func:`cluster_groups`,
             :func:`group_quotas`); needs ``x``.
@@ -413,7 +405,7 @@ def select(
     sizes = np.bincount(lab, minlength=k)
     xa = None if x is None else np.asarray(x)
     if strategy == "equalize":
-        quotas = np.full(k, equalize_count(sizes, ratio, micro_batch_size), dtype=np.int64)
+        quotas = np.full(k, int(sizes[0]) if k == 1 else equalize_count(sizes, ratio), dtype=np.int64)
         return _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed)
     quotas, grp = _balanced_quotas(xa, lab, sizes, nt, budget if nt is None else budget_tokens, groups, seed)
     res = _per_cluster(xa, lab, d, quotas, within, dedup_threshold, seed, nt=nt)

@@ -47,13 +47,13 @@ class SelectOutput:
 def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, dist=None,
         n_tokens=None) -> SelectOutput:
     """The select stage: ``selection.strategy`` over the candidates, at ``selection.budget`` (``balanced``,
-    ``random``) or, for ``equalize``, K x m rows (m from ``selection.ratio`` and ``train.micro_batch_size``).
+    ``random``) or, for ``equalize``, K x m rows (m = floor(``selection.ratio`` x the smallest cluster); one cluster is kept whole).
 
     Writes nothing: which selected rows are trained is fixed by the plan (the budget is rounded down to whole
     optimizer steps there), so ``selection.parquet`` is written by the allocation stage.
 
     Args:
-        cfg: the job config (``selection`` section; ``train.micro_batch_size`` for ``equalize``).
+        cfg: the job config (``selection`` section).
         run_dir: the run directory (unused: no artifact of its own).
         n_candidates: N.
         sketches, labels, dist: the features ``(N, d)``, clusters ``(N,)`` and distances ``(N,)``; ``None``
@@ -83,7 +83,7 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
             raise ConfigError("selection.strategy 'equalize' cuts every cluster to the same size: it needs the "
                               "clustering stage to run (no clusters were computed)")
         res = select("equalize", sketches, labels, dist, within=s.within, dedup_threshold=s.dedup_threshold,
-                     seed=s.seed, ratio=s.ratio, micro_batch_size=cfg.train.micro_batch_size)
+                     seed=s.seed, ratio=s.ratio)
         return SelectOutput(int(res.indices.size), res)
     if sketches is None:
         sketches = np.zeros((n_candidates, 1), dtype=np.float32)

@@ -149,12 +149,24 @@ def _check_plan(plan: pd.DataFrame, world: int, cfg: TrainConfig, packing: bool)
     """:func:`ray_cluster_ft.allocate.check_plan` (the hard rules: every rank, even micro-batch counts,
     ``micro_index`` 0..G-1 per rank and step, steps within an epoch); returns the optimizer steps. A packed plan
     has any number of rows per micro-batch: its packs are checked in tokens (``train.max_tokens_per_micro_batch``)
-    instead of rows."""
+    instead of rows. A short tail (an epoch's last micro-batch or step, the published plan) is accepted: the
+    workers step at the plan's boundaries."""
     if not packing:
-        return check_plan(plan, world, cfg.micro_batch_size, cfg.grad_accum)
+        return check_plan(plan, world, cfg.micro_batch_size, cfg.grad_accum, short_tail=True)
     if cfg.max_tokens_per_micro_batch is None:
         raise ValueError("a packed plan needs train.max_tokens_per_micro_batch (the tokens a pack may hold)")
-    return check_plan(plan, world, 1, cfg.grad_accum, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
+    return check_plan(plan, world, 1, cfg.grad_accum, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                      short_tail=True)
+
+
+def _short_tail(plan: pd.DataFrame, world: int, cfg: TrainConfig, packing: bool) -> tuple[bool, int]:
+    """``(short, micro-batches per rank)``: whether some step holds fewer than ``grad_accum`` micro-batches or
+    (unpacked) some micro-batch fewer than ``micro_batch_size`` rows (the published plan's last ones), which the
+    workers then read by key and step at the plan's boundaries; and the micro-batches every rank trains."""
+    mb = plan.groupby(["rank", "step", "micro_index"], sort=False).size()
+    per_step = mb.groupby(level=["rank", "step"]).size()
+    short = bool((per_step < cfg.grad_accum).any() or (not packing and (mb < cfg.micro_batch_size).any()))
+    return short, int(mb.size // world)
 
 
 def _clear_run_dir(run_dir: str | Path, resume: bool) -> Path:
@@ -208,10 +220,9 @@ def train(
 ) -> TrainResult:
     """Train ``model_path`` on exactly the planned micro-batches with Ray Train + DeepSpeed.
 
-    Expects Ray to be initialised by the caller (otherwise Ray starts a local instance with defaults).
-    Each of ``cfg.num_workers`` workers takes ``cfg.cpus_per_worker`` CPUs (and one GPU with
-    ``cfg.use_gpu``). On CPU the workers get ``DS_ACCELERATOR=cpu`` and the gloo backend; on GPU NCCL and
-    bf16. ``TORCH_EXTENSIONS_DIR`` points at ``cache_dir()/torch_extensions`` so any DeepSpeed op that is
+    Expects Ray to be initialised by the caller (otherwise Ray starts a local instance with defaults). Each of
+    ``cfg.num_workers`` workers takes ``cfg.cpus_per_worker`` CPUs (and one GPU with ``cfg.use_gpu``). On CPU the
+    workers get ``DS_ACCELERATOR=cpu`` and the gloo backend; on GPU NCCL and bf16. ``TORCH_EXTENSIONS_DIR`` points at ``cache_dir()/torch_extensions`` so any DeepSpeed op that is
     compiled is compiled once.
 
     Args:
@@ -226,11 +237,9 @@ def train(
         trust_remote_code: passed to ``from_pretrained``.
         save_model: write ``run_dir/final_model`` (HF format + tokenizer).
         pad_token_id: id used to right-pad micro-batches (masked out of attention and loss).
-        attn_implementation: the model's attention kernel (``model.attn_implementation``); ``None`` = the
-            library's choice.
-        weights: per-example loss weights indexed by ``example_id`` (the selection weights, for
-            ``train.loss_weighting: cluster``); ``None`` weighs every example 1. Either way the loss is
-            token-exact (:mod:`ray_cluster_ft.train.step`).
+        attn_implementation: the model's attention kernel (``model.attn_implementation``; ``None``: the library's).
+        weights: per-example loss weights by ``example_id`` (the selection weights, ``train.loss_weighting:
+            cluster``); ``None`` weighs every example 1; the loss is token-exact (:mod:`ray_cluster_ft.train.step`).
         packing: the plan's micro-batches are packs (``allocation.packing``): any number of whole rows per
             ``(rank, step, micro_index)``, at most ``cfg.max_tokens_per_micro_batch`` tokens each (when set), each
             trained as one padding-free sequence with ``position_ids`` restarting per example
@@ -240,9 +249,8 @@ def train(
             evaluation (``evaluation.every_epoch``); the last epoch's model is ``final_model``.
         resume: continue from the newest complete checkpoint under ``run_dir/ray_train`` (a stopped run of the
             same plan: Ray's latest, or a newer complete one on disk; incomplete ones are skipped and reported);
-            False starts clean, deleting that run's checkpoints and logs. Checkpoints other than the final one
-            are removed after the run; with ``cfg.final_checkpoint`` off no final one is written and none is
-            kept (only ``final_model/``).
+            False starts clean, deleting that run's checkpoints and logs. Only the final checkpoint is kept after
+            the run (none with ``cfg.final_checkpoint`` off: only ``final_model/``).
 
     Fault tolerance: ``cfg.max_failures`` worker-group restarts, each resuming from the latest checkpoint
     (written every ``cfg.checkpoint_every`` steps and at the end). For tests, ``$RAY_CLUSTER_FT_FAIL_AT_STEP=N``
@@ -276,7 +284,7 @@ def train(
     trainer = _trainer(cfg, tables, run_dir, _loop_config(
         cfg, total_steps, model_dir=model_dir, run_dir=run_dir, plan_hash=this_plan, resume_checkpoint=resume_from,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, save_model=save_model,
-        pad_token_id=pad_token_id, packing=packing, epoch_ends=_epoch_ends(plan) if save_epoch_models else {}))
+        pad_token_id=pad_token_id, packing=packing, plan=plan, save_epoch_models=save_epoch_models))
     t0 = time.perf_counter()
     result = _fit(trainer)
     seconds = time.perf_counter() - t0
@@ -300,9 +308,11 @@ def _saved_tokenizer(model_dir: str, trust_remote_code: bool):
 
 def _loop_config(cfg: TrainConfig, total_steps: int, *, model_dir: str, run_dir: Path, plan_hash: str,
                  resume_checkpoint, attn_implementation, trust_remote_code: bool, save_model: bool,
-                 pad_token_id: int, packing: bool, epoch_ends: dict) -> dict:
+                 pad_token_id: int, packing: bool, plan: pd.DataFrame, save_epoch_models: bool) -> dict:
     """The ``train_loop_config`` every worker gets (:func:`ray_cluster_ft.train.loop.train_loop_per_worker`): the
-    train section, the DeepSpeed dict built once here on the driver, and the run's facts."""
+    train section, the DeepSpeed dict built once here on the driver, and the run's facts (from ``plan``: the
+    micro-batches per rank, whether it has a short tail (:func:`_short_tail`), the epochs' last steps)."""
+    short_tail, n_micro = _short_tail(plan, cfg.num_workers, cfg, packing)
     return {
         "train": cfg.model_dump(),
         "ds_config": build_deepspeed_config(cfg, total_steps),
@@ -313,14 +323,15 @@ def _loop_config(cfg: TrainConfig, total_steps: int, *, model_dir: str, run_dir:
         "trust_remote_code": trust_remote_code,
         "run_dir": str(run_dir),
         "total_steps": total_steps,
-        "micro_batches_per_rank": total_steps * cfg.grad_accum,
+        "micro_batches_per_rank": n_micro,
+        "short_tail": short_tail,
         "save_model": save_model,
         "pad_token_id": int(pad_token_id),
         "plan_hash": plan_hash,
         "fail_at_step": os.environ.get(FAIL_AT_STEP_ENV),
         "resume_checkpoint": resume_checkpoint,
         "packing": bool(packing),
-        "epoch_ends": epoch_ends,
+        "epoch_ends": _epoch_ends(plan) if save_epoch_models else {},
     }
 
 

@@ -23,13 +23,16 @@ __all__ = ["FAIL_AT_STEP_ENV", "train_loop_per_worker"]
 FAIL_AT_STEP_ENV = "RAY_CLUSTER_FT_FAIL_AT_STEP"  # fault injection for tests: rank 0 raises once at this step
 
 
-def _check_micro_batch(batch: dict[str, np.ndarray], micro_batch_size: int | None) -> tuple[int, int, int]:
+def _check_micro_batch(batch: dict[str, np.ndarray], micro_batch_size: int | None,
+                       at_most: bool = False) -> tuple[int, int, int]:
     """(epoch, step, micro_index) of a batch that must be exactly one planned micro-batch: ``micro_batch_size``
-    rows, or (``None``, a pack) any number of rows of one key."""
+    rows (``at_most``: 1 to that many, a plan with a short tail), or (``None``, a pack) any number of rows of one
+    key."""
     n = len(batch["example_id"])
     key = tuple(np.unique(batch[c]) for c in MICRO_BATCH_KEY)
-    if (micro_batch_size is not None and n != micro_batch_size) or any(k.size != 1 for k in key):
-        size = "any number of" if micro_batch_size is None else str(micro_batch_size)
+    wrong_size = micro_batch_size is not None and (n > micro_batch_size if at_most else n != micro_batch_size)
+    if wrong_size or any(k.size != 1 for k in key):
+        size = "any number of" if micro_batch_size is None else ("at most " if at_most else "") + str(micro_batch_size)
         raise RuntimeError(
             f"a batch of {n} rows spans (epoch, step, micro_index) values {[k.tolist() for k in key]}; expected "
             f"exactly one planned micro-batch of {size} rows (is the dataset order preserved?)"
@@ -106,7 +109,8 @@ def _restore(engine, rank: int, plan_hash: str, disk_checkpoint: str | None) -> 
     """Load the newest checkpoint into ``engine``: Ray's latest, or ``disk_checkpoint`` (the newest complete one
     the driver found on disk, see :func:`ray_cluster_ft.train.newest_complete_checkpoint`) when that is further
     along (an interrupt can stop the run before Ray records the checkpoints it wrote). Returns the micro-batches
-    already trained and the rows they held (``None`` from a checkpoint that did not record them)."""
+    already trained, the rows they held (``None`` from a checkpoint that did not record them) and the optimizer
+    steps they made."""
     import contextlib
 
     import ray.train
@@ -120,7 +124,7 @@ def _restore(engine, rank: int, plan_hash: str, disk_checkpoint: str | None) -> 
                 pos = json.loads(pos_file.read_text())
                 found.append((int(pos["micro_batches_done"]), d, pos))
         if not found:
-            return 0, 0
+            return 0, 0, 0
         done, d, pos = max(found, key=lambda f: f[0])
         if pos.get("plan_hash") != plan_hash:
             raise RuntimeError(
@@ -129,7 +133,7 @@ def _restore(engine, rank: int, plan_hash: str, disk_checkpoint: str | None) -> 
         load_path, _ = engine.load_checkpoint(d, tag=pos["tag"])
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint '{pos['tag']}' in {d}")
-    return done, pos.get("rows_done")
+    return done, pos.get("rows_done"), int(pos["steps_done"])
 
 
 def checkpoint_dir_name(steps_done: int) -> str:
@@ -351,15 +355,16 @@ def train_loop_per_worker(config: dict) -> None:
     engine, t_load, t_init, precision = _build_engine(config, cfg)
     engine.train()
     device = engine.device
-    start, start_rows = _resume_point(engine, rank, config, packed, mbs)
+    short_tail = bool(config.get("short_tail", False))  # an epoch's last step may hold fewer than G micro-batches
+    start, start_rows, steps_done = _resume_point(engine, rank, config, packed, mbs)
     if rank == 0:
-        _announce(cfg, t_load, t_init, precision, world, total_steps, start)
-    trained_fh, log_fh = _open_logs(run_dir, rank, start_rows, start // ga)
+        _announce(cfg, t_load, t_init, precision, world, total_steps, start, steps_done)
+    trained_fh, log_fh = _open_logs(run_dir, rank, start_rows, steps_done)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     timer, meters = ForwardTimer(device), _metric_handles(rank)
     shard = ray.train.get_dataset_shard(f"train_rank{rank}")
     done = rows_done = 0
-    cur_step = None
+    order = _PlanOrder(rank)
     step_t0 = step_lr = 0.0
     real = padded = 0
     # This rank's step sums (its share of the token-exact loss, real tokens, padded tokens), kept on the device so the
@@ -371,24 +376,25 @@ def train_loop_per_worker(config: dict) -> None:
         def collate(b):
             return collate_micro_batch(b, config["pad_token_id"], device, packed=packed, flash_attn_kwargs=flash_varlen)
 
-        for batch, host in _prefetch(_micro_batches(shard, mbs, packed), collate, skip=start):
-            epoch, step, micro = _check_micro_batch(batch, None if packed else mbs)
-            _check_plan_order(rank, (epoch, step, micro), done, ga, cur_step)
-            cur_step = step
+        for batch, host in _prefetch(_micro_batches(shard, mbs, packed or short_tail), collate, skip=start):
+            epoch, step, micro = _check_micro_batch(batch, None if packed else mbs, at_most=short_tail)
+            n_in_step = int(batch["step_micro_batches"][0]) if short_tail else ga
+            order.check((epoch, step, micro), n_in_step, done)
             if done < start:  # trained before the checkpoint this run resumed from
                 done += 1
                 rows_done += len(batch["example_id"])
                 continue
             if micro == 0:
                 if rank == 0:
-                    _inject_fault(run_dir, fail_at, done // ga + 1)
+                    _inject_fault(run_dir, fail_at, steps_done + 1)
                 step_t0 = time.perf_counter()
                 real = padded = 0
                 step_lr = float(engine.get_lr()[0])  # the lr this step trains with (the scheduler steps after it)
                 loss_acc.zero_()
             mb = to_device(host, device)
             denom = float(batch["step_weighted_tokens"][0])  # the step's sum_i w_i |T_i|, from the plan
-            loss_sum = train_micro_batch(engine, mb, world * ga / denom, timer)
+            loss_sum = train_micro_batch(engine, mb, world * ga / denom, timer,
+                                         boundary=micro == n_in_step - 1 if short_tail else None)
             _append_jsonl(trained_fh, [{"rank": rank, "step": step, "micro_index": micro, "epoch": epoch,
                                         "example_id": str(e)} for e in batch["example_id"]])
             loss_acc += loss_sum.double() / denom
@@ -396,12 +402,12 @@ def train_loop_per_worker(config: dict) -> None:
             real, padded = real + mb_real, padded + mb_padded
             done += 1
             rows_done += len(batch["input_ids"])
-            if micro != ga - 1:
+            if micro != n_in_step - 1:
                 continue
             sync()
             g, compute, wait = _end_of_step(loss_acc, (real, padded), time.perf_counter() - step_t0, timer.take(),
                                             rank, world, meters)
-            steps_done = done // ga
+            steps_done += 1
             metrics = {"epoch": epoch, "step": step, "loss": float(g[:, 0].sum())}
             if log_fh is not None:
                 _log_step(log_fh, _log_row(step, epoch, g, compute, wait, step_lr), steps_done, total_steps,
@@ -416,16 +422,17 @@ def train_loop_per_worker(config: dict) -> None:
     t_train = time.perf_counter() - t_train
 
     final = {**metrics, "load_s": t_load, "init_s": t_init, "train_s": t_train, "resumed_from_micro_batch": start}
-    _finish_rank(engine, config, cfg, rank, final, done, start, rows_done)
+    _finish_rank(engine, config, cfg, rank, final, (done, steps_done, rows_done), start)
     dist.barrier()
 
 
-def _announce(cfg, t_load: float, t_init: float, precision: str, world: int, total_steps: int, start: int) -> None:
+def _announce(cfg, t_load: float, t_init: float, precision: str, world: int, total_steps: int, start: int,
+              steps_done: int) -> None:
     """Rank 0's line once the engine is up: load and initialise times, ZeRO stage, precision, where it resumes."""
     print(f"[train] model loaded in {t_load:.1f}s, deepspeed.initialize done at {t_init:.1f}s "
           f"(ZeRO-{cfg.zero_stage}, {precision}{', LoRA' if cfg.lora.enabled else ''}, world {world}, "
           f"{total_steps} steps)"
-          + (f"; resumed after step {start // cfg.grad_accum}" if start else ""), flush=True)
+          + (f"; resumed after step {steps_done}" if start else ""), flush=True)
 
 
 def _micro_batch_tokens(batch: dict, packed: bool) -> tuple[int, int]:
@@ -435,18 +442,20 @@ def _micro_batch_tokens(batch: dict, packed: bool) -> tuple[int, int]:
     return sum(lengths), (sum(lengths) if packed else len(lengths) * max(lengths))
 
 
-def _resume_point(engine, rank: int, config: dict, packed: bool, mbs: int) -> tuple[int, int]:
-    """``(micro-batches, rows)`` this rank trained before the checkpoint it resumes from (0, 0 for a fresh run).
+def _resume_point(engine, rank: int, config: dict, packed: bool, mbs: int) -> tuple[int, int, int]:
+    """``(micro-batches, rows, optimizer steps)`` this rank trained before the checkpoint it resumes from (0, 0, 0
+    for a fresh run).
 
     Raises:
         RuntimeError: a packed plan resumes from a checkpoint that does not record its rows.
     """
-    start, start_rows = _restore(engine, rank, config["plan_hash"], config.get("resume_checkpoint"))
+    start, start_rows, steps = _restore(engine, rank, config["plan_hash"], config.get("resume_checkpoint"))
     if start_rows is None:
-        if packed:
-            raise RuntimeError("the checkpoint does not record the rows trained, which a packed plan needs to resume")
+        if packed or config.get("short_tail"):
+            raise RuntimeError("the checkpoint does not record the rows trained, which a packed plan or one with a "
+                               "short micro-batch needs to resume")
         start_rows = start * mbs
-    return start, start_rows
+    return start, start_rows, steps
 
 
 def _inject_fault(run_dir: Path, fail_at: int, n_step: int) -> None:
@@ -470,17 +479,28 @@ def _open_logs(run_dir: Path, rank: int, rows_kept: int, steps_kept: int) -> tup
     return trained_fh, log_fh
 
 
-def _check_plan_order(rank: int, key: tuple, done: int, ga: int, cur_step) -> None:
-    """RuntimeError unless micro-batch ``key`` = ``(epoch, step, micro_index)`` is the next in plan order after
-    ``done`` micro-batches (``cur_step``: the step of the one before, None at the start)."""
-    epoch, step, micro = key
-    if micro != done % ga or (micro == 0 and cur_step is not None and step <= cur_step) or (
-        micro > 0 and step != cur_step
-    ):
-        raise RuntimeError(
-            f"rank {rank}: micro-batch (epoch {epoch}, step {step}, micro_index {micro}) arrived out of plan "
-            f"order after {done} micro-batches"
-        )
+class _PlanOrder:
+    """The plan-order check of one rank's micro-batches: each :meth:`check` raises RuntimeError unless micro-batch
+    ``(epoch, step, micro_index)`` follows the one before in plan order: the next micro_index of the same step,
+    or micro_index 0 of a later step once the step before has had all its ``n_in_step`` micro-batches."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.prev: tuple | None = None  # (step, micro_index, micro-batches of that step)
+
+    def check(self, key: tuple, n_in_step: int, done: int) -> None:
+        epoch, step, micro = key
+        prev = self.prev
+        if micro == 0:
+            ok = prev is None or (step > prev[0] and prev[1] == prev[2] - 1)
+        else:
+            ok = prev is not None and step == prev[0] and micro == prev[1] + 1
+        if not ok or micro >= n_in_step:
+            raise RuntimeError(
+                f"rank {self.rank}: micro-batch (epoch {epoch}, step {step}, micro_index {micro}) arrived out of "
+                f"plan order after {done} micro-batches"
+            )
+        self.prev = (step, micro, n_in_step)
 
 
 def _log_step(log_fh, row: dict, steps_done: int, total_steps: int, log_every: int, wait_max: float) -> None:
@@ -507,14 +527,16 @@ def _after_step(engine, config: dict, cfg, rank: int, position: tuple, metrics: 
                        merge_lora=cfg.lora.enabled, keep_training=True)
 
 
-def _finish_rank(engine, config: dict, cfg, rank: int, final: dict, done: int, start: int, rows_done: int) -> None:
-    """The final checkpoint (or a last report), then the model saved."""
+def _finish_rank(engine, config: dict, cfg, rank: int, final: dict, position: tuple, start: int) -> None:
+    """The final checkpoint (or a last report), then the model saved. ``position``: ``(micro-batches done, steps
+    done, rows done)``."""
     import ray.train
 
     # The final checkpoint comes before the model is written (merging LoRA adapters rewrites the module tree). None
     # with train.final_checkpoint off, nor when this attempt trained nothing (its checkpoint is already there).
+    done, steps_done, rows_done = position
     if getattr(cfg, "final_checkpoint", True) and done > start:
-        _checkpoint(engine, rank, done, done // cfg.grad_accum, config["plan_hash"], final, rows_done)
+        _checkpoint(engine, rank, done, steps_done, config["plan_hash"], final, rows_done)
     else:
         ray.train.report(final)
     if config["save_model"]:

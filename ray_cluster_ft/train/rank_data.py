@@ -125,8 +125,9 @@ def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, wor
 
     Returns:
         ``world_size`` tables with columns ``example_id`` (string), ``epoch, step, micro_index`` (int64),
-        ``input_ids, labels`` (list<int>), ``weight`` (float64) and ``step_weighted_tokens`` (float64, the
-        step's ``sum_i w_i |T_i|`` over all ranks), sorted by ``(epoch, step, micro_index)`` with a stable sort,
+        ``input_ids, labels`` (list<int>), ``weight`` (float64), ``step_weighted_tokens`` (float64, the
+        step's ``sum_i w_i |T_i|`` over all ranks) and ``step_micro_batches`` (int64, the micro-batches of the
+        row's step on its rank: ``grad_accum``, fewer only in a short last step), sorted by ``(epoch, step, micro_index)`` with a stable sort,
         so the in-micro-batch position order of the plan is kept.
 
     Raises:
@@ -155,7 +156,10 @@ def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, wor
         _check_pack_sizes(plan, pc.list_value_length(ex.column("input_ids")).to_numpy()[pos], max_tokens_per_pack)
     n_lab = label_token_counts(ex.column("labels"))[pos]
     step_tokens = pd.Series(w * n_lab).groupby(plan["step"].to_numpy()).transform("sum").to_numpy()
-    order = plan.assign(_pos=pos, _w=w, _d=step_tokens).sort_values(["rank", *MICRO_BATCH_KEY], kind="stable")
+    # Micro-batches of the row's step on its rank: G, or fewer in an epoch's last step of the published plan.
+    step_mbs = plan.groupby(["rank", "step"])["micro_index"].transform("nunique").to_numpy(np.int64)
+    order = plan.assign(_pos=pos, _w=w, _d=step_tokens, _g=step_mbs).sort_values(["rank", *MICRO_BATCH_KEY],
+                                                                                  kind="stable")
     tables = []
     for r in range(world_size):
         part = order[order["rank"] == r]
@@ -171,6 +175,7 @@ def build_rank_tables(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, wor
                     "labels": rows.column("labels"),
                     "weight": pa.array(part["_w"].to_numpy(np.float64)),
                     "step_weighted_tokens": pa.array(part["_d"].to_numpy(np.float64)),
+                    "step_micro_batches": pa.array(part["_g"].to_numpy(np.int64)),
                 }
             )
         )

@@ -8,7 +8,8 @@ ranks and micro-batches, with ``D = sum_i w_i |T_i|`` precomputed from the plan 
 length-homogeneous plan and a random split optimise the same objective. DeepSpeed divides a micro-batch's loss
 by ``gradient_accumulation_steps`` in ``backward`` and averages gradients over the ``W`` ranks, so each
 micro-batch backpropagates ``W * G * sum_{i in mb} w_i sum_t l_it / D``: the summed gradient is ``dL``.
-DeepSpeed steps the optimizer every ``G`` micro-batches; each call here is one micro-batch.
+DeepSpeed steps the optimizer every ``G`` micro-batches (or, for the published plan's short last step of an
+epoch, where the plan's boundary is set explicitly); each call here is one micro-batch.
 
 Packed micro-batches (``allocation.packing``): the rows of a micro-batch are concatenated into one sequence
 (:func:`ray_cluster_ft.data.collate.pack`) and the per-example weights become per-token weights (``w_i`` on
@@ -146,7 +147,8 @@ def token_exact_loss(logits, labels, weight):
     return (ce.sum(dim=1) * weight.float()).sum()
 
 
-def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None = None):
+def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None = None,
+                      boundary: bool | None = None):
     """Forward, token-exact loss, backward and ``engine.step()`` of one micro-batch. Nothing here waits for the
     device: the loss stays a device tensor, and the forward is timed by ``timer``'s events.
 
@@ -156,11 +158,18 @@ def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None
             and no mask, so the model builds the block-causal mask, see :func:`ray_cluster_ft.data.collate.pack`).
         scale: ``W * G / D`` for this micro-batch's step (see the module docstring).
         timer: times the forward (:class:`ForwardTimer`), or ``None``.
+        boundary: whether this micro-batch ends its optimizer step, set on the engine before the forward
+            (``engine.set_gradient_accumulation_boundary``, DeepSpeed's documented override of its micro-step
+            counter) for a plan whose last step of an epoch holds fewer than G micro-batches; ``None`` leaves the
+            counter to decide (every G micro-batches). ``scale`` stays ``W * G / D`` either way: DeepSpeed divides
+            every micro-batch's loss by the configured G, whatever the step's micro-batch count.
 
     Returns:
         The detached ``sum_{i in mb} w_i sum_t l_it`` (divided by ``D`` and summed over micro-batches and ranks
         it is the step's loss), a scalar tensor on the device.
     """
+    if boundary is not None:
+        engine.set_gradient_accumulation_boundary(bool(boundary))
     if timer is not None:
         timer.start()
     extra = {k: mb[k] for k in ("attention_mask", "position_ids", *FLASH_VARLEN_KEYS) if k in mb}

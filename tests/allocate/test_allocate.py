@@ -566,9 +566,16 @@ def test_cluster_per_rank_gives_rank_r_only_cluster_r_reshuffled_every_epoch():
     nt = rng.integers(3, 60, size=cl.size)
     res = make_plan(ids, cl, nt, 3, 4, grad_accum=2, epochs=3, strategy="cluster_per_rank", seed=9)
     plan = res.plan
-    assert check_plan(plan, 3, 4, 2) == 2 * 3  # 21 rows -> 16 per rank = 2 steps of 4 x 2, for 3 epochs
+    # 21 rows per rank (the smallest cluster, nothing rounded): micro-batches 4, 4, 4, 4, 4, 1 -> steps of
+    # 2, 2, 2 micro-batches, for 3 epochs; the strict rules refuse the short micro-batch
+    assert check_plan(plan, 3, 4, 2, short_tail=True) == 3 * 3
+    with pytest.raises(ValueError, match="has 1 rows, expected micro_batch_size=4"):
+        check_plan(plan, 3, 4, 2)
+    mb = plan.groupby(["rank", "epoch", "step", "micro_index"]).size()
+    assert mb.loc[0, 0].tolist() == [4, 4, 4, 4, 4, 1]
     assert plan.groupby("rank")["cluster"].unique().map(list).to_dict() == {0: [2], 1: [5], 2: [7]}
-    assert len(res.dropped) == cl.size - 3 * 16 and set(res.dropped).isdisjoint(plan["example_id"])
+    assert len(res.dropped) == cl.size - 3 * 21 and set(res.dropped).isdisjoint(plan["example_id"])
+    assert set(plan.loc[plan["rank"] == 0, "example_id"]) == set(ids[cl == 2])  # the smallest cluster whole
     for _, part in plan.groupby("epoch"):  # the same rows every epoch, each once
         assert part["example_id"].is_unique and set(part["example_id"]) == set(plan["example_id"])
     orders = [part[part["rank"] == 0]["example_id"].tolist() for _, part in plan.groupby("epoch")]
@@ -584,5 +591,24 @@ def test_cluster_per_rank_refuses_a_cluster_count_other_than_the_world_size():
     ids = np.array([f"x{i}" for i in range(40)])
     with pytest.raises(ValueError, match="needs exactly world_size=2 clusters .* got 3"):
         make_plan(ids, np.arange(40) % 3, np.full(40, 5), 2, 4, strategy="cluster_per_rank")
-    with pytest.raises(ValueError, match="smallest cluster holds 3 rows, fewer than one optimizer step"):
-        make_plan(ids, (np.arange(40) < 3).astype(int), np.full(40, 5), 2, 4, strategy="cluster_per_rank")
+    # a cluster of 3 rows: each rank trains 3, one short micro-batch per epoch
+    small = make_plan(ids, (np.arange(40) < 3).astype(int), np.full(40, 5), 2, 4, strategy="cluster_per_rank").plan
+    assert small.groupby("rank").size().tolist() == [3, 3]
+
+
+def test_the_published_plan_of_less_than_one_step_runs_without_a_random_baseline(tmp_path):
+    """The published plan rounds nothing: 2 ranks x 5 rows with B = 4, G = 2 is less than one whole step of a
+    random split (16 rows), so the stage plans it and leaves the baseline out instead of failing."""
+    from ray_cluster_ft.allocate import run
+    from ray_cluster_ft.config import parse_config
+    from ray_cluster_ft.rundir import prepare_run_dir
+
+    cfg = parse_config({"preset": "cluster-paper", "train": {"num_workers": 2, "micro_batch_size": 4,
+                                                             "grad_accum": 2}})
+    prepare_run_dir(tmp_path, False)
+    ids = np.array([f"x{i}" for i in range(10)])
+    out = run(cfg, tmp_path, example_ids=ids, labels=np.repeat([0, 1], 5), n_tokens=np.full(10, 7),
+              selected=np.arange(10), reasons=["peripheral"] * 10)
+    assert out.baseline is None and list(out.metrics) == ["cluster_per_rank"]
+    assert out.plan.groupby("rank").size().tolist() == [5 * 1, 5 * 1]  # one epoch of 5 rows per rank
+    assert pd.read_parquet(tmp_path / "selection.parquet")["weight"].tolist() == [1.0] * 10

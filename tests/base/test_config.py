@@ -251,7 +251,7 @@ def test_published_options_name_the_key(raw, needle):
 
 def test_published_options_parse():
     cfg = parse_config({})
-    assert (cfg.clustering.algorithm, cfg.clustering.max_cluster_ratio, cfg.selection.ratio) == ("spherical", None, 0.5)
+    assert (cfg.clustering.algorithm, cfg.clustering.max_cluster_ratio, cfg.selection.ratio) == ("spherical", None, 1.0)
     cfg = parse_config({"clustering": {"k": "world_size", "algorithm": "kmeans", "max_cluster_ratio": 1.5},
                         "selection": {"strategy": "equalize", "ratio": 1, "within": "peripheral"},
                         "train": {"num_workers": 4}})
@@ -288,7 +288,9 @@ def test_preset_cluster_paper_fills_the_published_configuration_and_spec_keys_wi
     cfg = parse_config({"preset": "cluster-paper"})
     assert (cfg.sketch.method, cfg.clustering.k, cfg.clustering.algorithm, cfg.clustering.max_cluster_ratio,
             cfg.clustering.cap_by) == ("last_layer", "world_size", "kmeans", 1.5, "rows")
-    assert (cfg.selection.strategy, cfg.selection.ratio, cfg.selection.within) == ("equalize", 0.5, "peripheral")
+    # the official defaults (train_grad.py: seed 42, ratio 100)
+    assert (cfg.selection.strategy, cfg.selection.ratio, cfg.selection.within) == ("equalize", 1.0, "peripheral")
+    assert cfg.clustering.seed == 42
     assert (cfg.allocation.strategy, cfg.train.loss_weighting) == ("cluster_per_rank", "cluster")
     mine = parse_config({"preset": "cluster-paper", "selection": {"ratio": 0.75},
                          "clustering": {"seed": 3}, "train": {"loss_weighting": "none"}})
@@ -297,7 +299,7 @@ def test_preset_cluster_paper_fills_the_published_configuration_and_spec_keys_wi
     with pytest.raises(ConfigError, match="preset: Input should be 'cluster-paper'"):
         parse_config({"preset": "paper"})
     with pytest.raises(ConfigError, match=r"not 'equalize' .* \(preset 'cluster-paper' sets selection.strategy=equalize, "
-                                          r"selection.ratio=0.5, selection.within=peripheral; a key in the spec overrides"):
+                                          r"selection.ratio=1.0, selection.within=peripheral; a key in the spec overrides"):
         parse_config({"preset": "cluster-paper", "selection": {"budget_tokens": 0.3}})
     spec = tmp_path / "paper.yaml"
     spec.write_text("preset: cluster-paper\nselection:\n  ratio: 1.0\n")

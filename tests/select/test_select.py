@@ -291,12 +291,14 @@ def _two_clusters_2d():
 def test_within_orders_pick_the_right_points_by_hand():
     x, labels, dist = _two_clusters_2d()
     # dist: cluster 0 = [4, 1, 0, 1, 6.25]; cluster 1 = [0, 1, 9, 4, 9, 0.25, 0.25].
-    res = select("equalize", x, labels, dist, within="peripheral", ratio=1.0, micro_batch_size=2)
-    assert res.quotas.tolist() == [4, 4]  # floor(1.0 * 5) = 5, rounded down to whole micro-batches of 2
+    res = select("equalize", x, labels, dist, within="peripheral", ratio=0.8)
+    assert res.quotas.tolist() == [4, 4]  # floor(0.8 * 5) = 4, nothing rounded to a micro-batch
     assert res.indices.tolist() == [0, 1, 3, 4, 6, 7, 8, 9]  # the farthest four of each cluster
     assert set(res.reasons) == {"peripheral"}
-    res = select("equalize", x, labels, dist, within="central", ratio=1.0, micro_batch_size=2)
+    res = select("equalize", x, labels, dist, within="central", ratio=0.8)
     assert res.indices.tolist() == [0, 1, 2, 3, 5, 6, 10, 11]  # the nearest four of each cluster
+    res = select("equalize", x, labels, dist, within="peripheral", ratio=1.0)
+    assert res.quotas.tolist() == [5, 5]  # the published default: the smallest cluster whole
     # Ties at the cut, as the published slices: peripheral (lst[-m:]) keeps the higher index, central
     # (lst[:m]) the lower; picks come farthest / nearest first.
     d0 = dist[:5]
@@ -316,45 +318,50 @@ def test_within_orders_match_the_published_slices():
     x, labels, dist = _two_clusters_2d()
     for within, prune_type in (("peripheral", "close"), ("central", "far")):
         for m in (1, 2, 3, 4):
-            res = select("equalize", x, labels, dist, within=within, ratio=m / 5, micro_batch_size=1)
+            res = select("equalize", x, labels, dist, within=within, ratio=m / 5)
             for c in (0, 1):
                 members = np.flatnonzero(labels == c)
                 got = set(np.flatnonzero(np.isin(members, res.indices)).tolist())
                 assert got == _published_slice(dist[members], m, prune_type), (within, m, c)
 
 
-def test_equalize_counts_are_equal_and_whole_micro_batches():
+def test_equalize_counts_are_equal_and_not_rounded():
     rng = np.random.default_rng(0)
     sizes = np.array([40, 13, 25, 60])
     labels = rng.permutation(np.repeat(np.arange(4), sizes))
     x = rng.normal(size=(labels.size, 8)).astype(np.float32)
     dist = rng.uniform(0, 1, labels.size)
     for within in ("kcenter", "strata", "peripheral", "central", "random"):
-        res = select("equalize", x, labels, dist, within=within, ratio=0.5, micro_batch_size=4, seed=2)
-        # floor(0.5 * 13) = 6, rounded down to a multiple of 4
-        assert res.quotas.tolist() == [4, 4, 4, 4], within
-        assert np.bincount(labels[res.indices], minlength=4).tolist() == [4, 4, 4, 4], within
+        res = select("equalize", x, labels, dist, within=within, ratio=0.5, seed=2)
+        # floor(0.5 * 13) = 6, not rounded to a micro-batch (the published drop_last is off)
+        assert res.quotas.tolist() == [6, 6, 6, 6], within
+        assert np.bincount(labels[res.indices], minlength=4).tolist() == [6, 6, 6, 6], within
         assert np.all(np.diff(res.indices) > 0)
-    # the peripheral picks are each cluster's four largest distances
-    res = select("equalize", x, labels, dist, within="peripheral", ratio=0.5, micro_batch_size=4)
+    # the peripheral picks are each cluster's six largest distances
+    res = select("equalize", x, labels, dist, within="peripheral", ratio=0.5)
     for c in range(4):
         members = np.flatnonzero(labels == c)
-        top = members[np.argsort(-dist[members])[:4]]
+        top = members[np.argsort(-dist[members])[:6]]
         assert sorted(top.tolist()) == res.indices[labels[res.indices] == c].tolist()
 
 
 def test_equalize_count_rules():
-    assert sel.equalize_count([100, 300], 0.29, 1) == 29  # the decimal 0.29, not 28.999...
-    assert sel.equalize_count([13, 40], 0.5, 4) == 4
-    assert sel.equalize_count([13, 40], 1.0, 1) == 13
+    assert sel.equalize_count([100, 300], 0.29) == 29  # the decimal 0.29, not 28.999...
+    assert sel.equalize_count([13, 40], 0.5) == 6
+    assert sel.equalize_count([13, 40], 0.75) == 9
+    assert sel.equalize_count([13, 40], 1.0) == 13
     from ray_cluster_ft.config import ConfigError
 
     x, labels, dist, _ = _clustered()  # sizes 40, 5, 25, 2, 60
     with pytest.raises(ConfigError, match=r"sizes \[40, 5, 25, 2, 60\]") as err:
-        select("equalize", x, labels, dist, ratio=0.5, micro_batch_size=4)
-    assert "train.micro_batch_size=4" in str(err.value) and "selection.ratio=0.5" in str(err.value)
+        select("equalize", x, labels, dist, ratio=0.4)
+    assert "selection.ratio=0.4" in str(err.value) and "= 0 rows" in str(err.value)
     with pytest.raises(ValueError, match="ratio"):
-        sel.equalize_count([10], 1.5, 1)
+        sel.equalize_count([10], 1.5)
+    # one cluster (the published world size 1): every row, whatever the ratio
+    one = np.zeros(labels.size, dtype=np.int64)
+    res = select("equalize", x, one, dist, within="peripheral", ratio=0.5)
+    assert res.indices.tolist() == list(range(labels.size))
 
 
 def test_balanced_with_a_distance_order_meets_the_quotas():

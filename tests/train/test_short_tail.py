@@ -1,0 +1,105 @@
+"""The published plan's short tail, trained: each rank's last micro-batch of an epoch holds fewer rows and the
+epoch's last step fewer than ``grad_accum`` micro-batches (``allocation.strategy: cluster_per_rank`` rounds
+nothing). DeepSpeed must step at the plan's boundaries (``set_gradient_accumulation_boundary``) and the loss
+stay token-exact: the trained weights equal a single process taking the same optimizer steps."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ray_cluster_ft.allocate import make_plan
+from ray_cluster_ft.config import TrainConfig
+from ray_cluster_ft.train import build_rank_tables, train
+from ray_cluster_ft.train.deepspeed import lr_multiplier
+from ray_cluster_ft.train.loop import _PlanOrder
+from tests.train.test_train import make_examples
+
+
+def _short_tail_plan(ex, epochs: int):
+    """10 rows in 2 clusters of 5, W = 2, B = 2, G = 2: per rank and epoch micro-batches of 2, 2, 1 rows, i.e. a
+    step of 2 micro-batches and a step of 1."""
+    ids = np.asarray(ex.column("example_id").to_pylist())
+    return make_plan(ids, np.repeat([0, 1], 5), np.asarray(ex.column("n_tokens").to_numpy()), 2, 2, grad_accum=2,
+                     epochs=epochs, strategy="cluster_per_rank", seed=4).plan
+
+
+def test_rank_tables_and_order_check_follow_a_short_last_step():
+    ex = make_examples(10, seed=1)
+    plan = _short_tail_plan(ex, epochs=2)
+    tables = build_rank_tables(plan, ex, 2)
+    for t in tables:
+        got = list(zip(t.column("step").to_pylist(), t.column("micro_index").to_pylist(),
+                       t.column("step_micro_batches").to_pylist()))
+        assert got == [(0, 0, 2)] * 2 + [(0, 1, 2)] * 2 + [(1, 0, 1)] + [(2, 0, 2)] * 2 + [(2, 1, 2)] * 2 + [(3, 0, 1)]
+    order = _PlanOrder(0)
+    for i, key in enumerate([(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 2, 0), (1, 2, 1), (1, 3, 0)]):
+        order.check(key, 1 if key[1] in (1, 3) else 2, i)
+    with pytest.raises(RuntimeError, match="out of plan order"):
+        bad = _PlanOrder(0)
+        bad.check((0, 0, 0), 2, 0)
+        bad.check((0, 1, 0), 1, 1)  # step 0 had only one of its two micro-batches
+
+
+def _reference_steps(model_dir: str, ex, steps: list[list[str]], lr: float, eps: float, total: int) -> dict:
+    """One process, one AdamW step per planned step over all its rows, each the token-exact loss
+    ``sum_i sum_t l_it / sum_i |T_i|`` of that step, with the run's linear lr schedule."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = {e: (i, y) for e, i, y in zip(ex.column("example_id").to_pylist(), ex.column("input_ids").to_pylist(),
+                                         ex.column("labels").to_pylist())}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.0)
+    for s, ids in enumerate(steps):
+        opt.zero_grad()
+        num, den = 0.0, 0
+        for e in ids:
+            x, y = rows[e]
+            logits = model(input_ids=torch.tensor([x]), use_cache=False).logits[0, :-1].double()
+            tgt = torch.tensor(y[1:])
+            num = num + torch.nn.functional.cross_entropy(logits, tgt, ignore_index=-100, reduction="sum")
+            den += int((tgt != -100).sum())
+        (num / den).backward()
+        for group in opt.param_groups:
+            group["lr"] = lr * lr_multiplier(s, 0, total)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_a_plan_with_a_short_last_micro_batch_and_step_trains_exactly(ray_cpu, tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tiny_model = str(tiny_model_dir)
+    ex = make_examples(10, seed=7, min_len=4, max_len=40)
+    plan = _short_tail_plan(ex, epochs=2)
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"optimizer": {"params": {"eps": 10.0}}}))  # update ~ lr g / eps: linear in g
+    cfg = TrainConfig(num_workers=2, zero_stage=2, micro_batch_size=2, grad_accum=2, epochs=2, lr=1e-2,
+                      max_grad_norm=1e9, timeout_s=120, deepspeed_config=str(user))
+    res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2)
+    assert res.steps == 4  # per epoch a step of 2 micro-batches and one of 1
+    trained = pd.read_parquet(res.trained_path)
+    assert (trained.groupby(["epoch", "example_id"]).size() == 1).all()
+    assert sorted(trained["example_id"]) == sorted(plan["example_id"])  # every planned row once per epoch
+    log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1, 2, 3]
+
+    steps = [part["example_id"].tolist() for _, part in plan.groupby("step")]
+    want = _reference_steps(tiny_model, ex, steps, lr=1e-2, eps=10.0, total=4)
+    # the control: the short steps folded into the next ones, as a counter of G micro-batches would do
+    merged = [steps[0], steps[1] + steps[2], steps[3]]
+    other = _reference_steps(tiny_model, ex, merged, lr=1e-2, eps=10.0, total=4)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(res.final_model_dir, dtype=torch.float32).state_dict()
+    delta = torch.cat([(got[k] - base[k]).flatten() for k in base])
+    delta_want = torch.cat([(want[k] - base[k]).flatten() for k in base])
+    delta_other = torch.cat([(other[k] - base[k]).flatten() for k in base])
+    assert float((delta - delta_want).norm() / delta_want.norm()) < 1e-4
+    assert float((delta_other - delta_want).norm() / delta_want.norm()) > 1e-2
