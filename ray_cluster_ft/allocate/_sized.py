@@ -21,7 +21,8 @@ near ``(j + 1) T / P`` as rows allow: the largest row that still fits first, the
 choice between stopping short and the smallest row's overshoot, whichever misses less), so errors do not add
 up along the line. Every epoch (seed + epoch) tries a few seeded cluster orders (clusters within two packs of
 1/W of the tokens first, largest first: the first starts on a rank boundary) and keeps the one with the
-fewest per-row collisions, then the most even packs; repeats left (a cluster above 1/W, or near it) are traded
+fewest per-row collisions, then the most even packs; rows of one cluster are then traded between its packs to
+even them further (:func:`_even_out`: collision counts unchanged); repeats left (a cluster above 1/W, or near it) are traded
 between steps by :func:`ray_cluster_ft.allocate._packs._row_distinct`. Steps come in a seeded order and each
 step's packs go to ranks in a seeded order, as in the other packed plan.
 """
@@ -97,6 +98,47 @@ def _fill(order_c, members, nt: np.ndarray, n_packs: int) -> np.ndarray:
     return np.asarray(out_rows, dtype=np.int64), np.asarray(out_pack, dtype=np.int64)
 
 
+def _even_out(rows: np.ndarray, pack: np.ndarray, code: np.ndarray, nt: np.ndarray, n_packs: int) -> None:
+    """Even the packs' tokens by swapping rows of one cluster between two of its packs, in place on ``pack``.
+
+    A swap of two rows of cluster c keeps c in both packs, so which clusters each pack holds (and so every
+    collision count) is unchanged. For each cluster, the heaviest and the lightest of the packs holding its rows
+    trade the pair of its rows whose length difference comes nearest half their gap (only a difference strictly
+    between 0 and the gap narrows it), until no pair narrows it (at most twice as many trades as the cluster has
+    packs). This evens the packs of clusters whose rows are all long, which the cumulative fill cannot.
+    """
+    tokens = np.bincount(pack, weights=nt[rows], minlength=n_packs)
+    by_cluster = np.argsort(code[rows], kind="stable")
+    bounds = np.flatnonzero(np.diff(code[rows][by_cluster])) + 1
+    for pos in np.split(by_cluster, bounds):
+        held: dict[int, list[int]] = {}
+        for i in pos.tolist():
+            held.setdefault(int(pack[i]), []).append(i)
+        if len(held) < 2:
+            continue
+        packs_c = np.fromiter(held, dtype=np.int64)
+        for _ in range(2 * packs_c.size):
+            t = tokens[packs_c]
+            hi, lo = int(packs_c[np.argmax(t)]), int(packs_c[np.argmin(t)])
+            gap = float(tokens[hi] - tokens[lo])
+            a_pos, b_pos = np.asarray(held[hi]), np.asarray(held[lo])
+            diff = nt[rows[a_pos]][:, None] - nt[rows[b_pos]][None, :]
+            ok = (diff > 0) & (diff < gap)
+            if not ok.any():
+                break
+            score = np.where(ok, np.abs(diff - gap / 2.0), np.inf)
+            ia, ib = np.unravel_index(int(np.argmin(score)), score.shape)
+            i, j = int(a_pos[ia]), int(b_pos[ib])
+            pack[i], pack[j] = lo, hi
+            held[hi].remove(i)
+            held[lo].remove(j)
+            held[hi].append(j)
+            held[lo].append(i)
+            d = float(diff[ia, ib])
+            tokens[hi] -= d
+            tokens[lo] += d
+
+
 def _layout_collisions(code_rows: np.ndarray, pack: np.ndarray, w: int, q: int, g: int) -> int:
     """Per-row collisions of the wrap-around layout: sum over (step, cluster) of the ranks holding it - 1."""
     rank = pack // q
@@ -140,6 +182,7 @@ def sized_epoch(code: np.ndarray, nt: np.ndarray, w: int, g: int, steps: int, se
         if best is None or score < best[0]:
             best = (score, rows, pack)
     _, rows, pack = best
+    _even_out(rows, pack, code, nt, n_packs)
     srt = np.lexsort((rows, nt[rows], pack))
     rows, pack = rows[srt], pack[srt]
     ptr = np.concatenate([[0], np.cumsum(np.bincount(pack, minlength=n_packs))]).astype(np.int64)
