@@ -389,7 +389,9 @@ class AllocationConfig(Section):
     pad_tolerance: float = Field(
         0.05, ge=0.0, le=1.0,
         description="cluster only: largest padding fraction a single-cluster micro-batch may keep; the others "
-                    "are re-cut from rows of several clusters (higher: purer micro-batches, more padding)")
+                    "are re-cut from rows of several clusters (higher: purer micro-batches, more padding); with a "
+                    "pack size set, the largest empty share a single-cluster pack may keep; packs sized to the "
+                    "data do not use it")
     allow_shared_clusters: bool = Field(
         False, description="cluster only: run with clustering.k below train.num_workers (ranks of a step then "
                            "share clusters); off, such a config is refused")

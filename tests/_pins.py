@@ -20,6 +20,15 @@ pointers; float columns compared to a tolerance, since their last bits depend on
 command's ``selected.jsonl`` and ``selected.parquet``. The parquet metadata left out (``pandas``: index bookkeeping) says
 nothing about the rows. The demo spec is pinned through ``select``: the command is ``run --plan-only`` (the same
 ``run_pipeline(plan_only=True)`` call) followed by the export, so one real-model run pins both.
+
+Issue 31 (item 4) re-pinned the plan on purpose: the default ``allocation.packing: auto`` packs the cluster plan
+with packs sized to the data (``allocate/_sized.py``), so ``plan`` changed for both specs, and with it the
+``rank``/``step`` fields of ``selected.jsonl``/``selected.parquet``. Checked against the 3c54880 artifacts
+(which matched every pin above): ``examples``, ``clusters`` and ``centroids`` are identical, and the select
+stage chose the same rows with the same cluster and reason. The demo's ``selection`` is unchanged too (80
+rows, a multiple of W x B x G, so the padded plan dropped none). The files spec's ``selection.parquet`` gained
+the one row the padded plan had dropped to fill whole steps (41 rows: the 40 of before, unchanged, plus that
+one; a packed plan drops nothing), so its pins and its weights (mean 1 over 41 rows) changed.
 """
 
 from __future__ import annotations
@@ -36,8 +45,8 @@ FIXTURE = Path(__file__).parent / "fixtures" / "mixed_120.jsonl"
 """120 real rows: MBPP train, GPTeacher codegen and MedQuAD."""
 
 # sha256 prefixes of content_hash() for the spec of files_spec() and for jobs/demo.yaml, at c56fe9a (plan: since
-# the per-epoch re-cut, see the module docstring).
-FILES_PINNED = {"clusters": "41fee4bbe8ae827c", "selection": "1a34e7043a30bdb5", "plan": "e726ebf7b1573206"}
+# the per-epoch re-cut and the packed default, files selection: since the packed default; see the module docstring).
+FILES_PINNED = {"clusters": "41fee4bbe8ae827c", "selection": "a114515a508e62a4", "plan": "dd30fcaf7fb6b68d"}
 DEMO_PINNED = {"clusters": "b19770f52c992e1e", "selection": "4ac23133e3963fe2", "plan": "6257c2101aa9b983"}
 
 
@@ -52,12 +61,12 @@ FILES_FULL_PINNED = {
     "examples": {"hash": "92414284528d065b", "floats": {}},
     "clusters": {"hash": "89e74a4c960fa814", "floats": {"distance": [102.0, 42.34088254, 42.34088254, 43.113882059]}},
     "centroids": {"hash": "62dd073a32ec8862", "floats": {"centroid": [256.0, -1.290704938, 26.139422747, -2.267376985]}},
-    "selection": {"hash": "230df72f62088992", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
-    "plan": {"hash": "4f46b3000dd82345", "floats": {}},
+    "selection": {"hash": "6298f6541543a216", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
+    "plan": {"hash": "5ee84dfac00e25a7", "floats": {}},
 }
 FILES_SELECTED_PINNED = {
-    "selected.jsonl": {"hash": "410f41d255d0a8e9", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
-    "selected.parquet": {"hash": "44ef2a3d3a55483b", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
+    "selected.jsonl": {"hash": "fcd05e17774e014f", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
+    "selected.parquet": {"hash": "5879da7132114fd6", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
 }
 DEMO_FULL_PINNED = {
     "examples": {"hash": "504fa7779358404f", "floats": {}},

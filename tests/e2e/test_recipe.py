@@ -143,6 +143,7 @@ def test_plan_only_rerun_gives_identical_selection_and_plan(run, tmp_path, tiny_
     from ray_cluster_ft.allocate import make_plan
 
     cfg = _config(tiny_model_dir, tmp_path)
+    cfg.allocation.packing = False  # pad_tolerance shapes the padded plan (packs sized to the data ignore it)
     cfg.allocation.pad_tolerance = 1.0
     pure = run_pipeline(cfg, plan_only=True)
     assert pure["config"]["allocation"]["pad_tolerance"] == 1.0
