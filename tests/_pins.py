@@ -28,7 +28,9 @@ with packs sized to the data (``allocate/_sized.py``), so ``plan`` changed for b
 stage chose the same rows with the same cluster and reason. The demo's ``selection`` is unchanged too (80
 rows, a multiple of W x B x G, so the padded plan dropped none). The files spec's ``selection.parquet`` gained
 the one row the padded plan had dropped to fill whole steps (41 rows: the 40 of before, unchanged, plus that
-one; a packed plan drops nothing), so its pins and its weights (mean 1 over 41 rows) changed.
+one; a packed plan drops nothing), so its pins and its weights (mean 1 over 41 rows) changed. The new demo
+pins were first derived without the model (the 3c54880 ``--plan-only`` artifacts re-planned by the new code,
+then exported by ``write_selected``), then checked by a ``select`` run of the demo spec.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "mixed_120.jsonl"
 # sha256 prefixes of content_hash() for the spec of files_spec() and for jobs/demo.yaml, at c56fe9a (plan: since
 # the per-epoch re-cut and the packed default, files selection: since the packed default; see the module docstring).
 FILES_PINNED = {"clusters": "41fee4bbe8ae827c", "selection": "a114515a508e62a4", "plan": "dd30fcaf7fb6b68d"}
-DEMO_PINNED = {"clusters": "b19770f52c992e1e", "selection": "4ac23133e3963fe2", "plan": "6257c2101aa9b983"}
+DEMO_PINNED = {"clusters": "b19770f52c992e1e", "selection": "4ac23133e3963fe2", "plan": "3b56daaee1897022"}
 
 
 # The columns pinned: those the files had at c56fe9a (selection.parquet has since gained ``weight``).
@@ -73,9 +75,9 @@ DEMO_FULL_PINNED = {
     "clusters": {"hash": "2f095f31d1611632", "floats": {"distance": [278.0, 97.78961122, 97.78961122, 101.905561482]}},
     "centroids": {"hash": "b4992cf76b3d19f2", "floats": {"centroid": [1280.0, -1.160033746, 63.895792676, -0.450451279]}},
     "selection": {"hash": "db85d7208fb449eb", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
-    "plan": {"hash": "b09cde40baa7b5d4", "floats": {}},
-    "selected.jsonl": {"hash": "921c3d4defb34a92", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
-    "selected.parquet": {"hash": "6baa1f199537b812", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
+    "plan": {"hash": "9b93aef2e6134865", "floats": {}},
+    "selected.jsonl": {"hash": "c0fc595f272adc90", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
+    "selected.parquet": {"hash": "627b831234b7f1f0", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
 }
 # The c56fe9a clusters pins (content_hash: float bits included) as this project's 2-core AMD EPYC machines
 # compute them (AVX2, no AVX-512): the float32 distance column differs in its last bits from the machine the pins
