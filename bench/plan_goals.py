@@ -30,7 +30,7 @@ around 200, 64 random clusters, W = 8, 1 epoch) must stay under a minute.
 The default plan against the one before it (issue 31): ``allocation.packing: auto`` packs the cluster plan with
 packs sized to the data (no ``train.max_tokens_per_micro_batch``), where the old default was the unpacked cluster
 plan (micro-batch 4). Side by side, per-row collisions, token max/mean, padding and critical path ÷ bound, on
-(a) the demo's own selection (``tests/fixtures/demo_plan_inputs.json``: 80 rows, 5 clusters, W = 2, 2 epochs;
+(a) the demo's own selection (``tests/fixtures/demo_plan_inputs.json``: 86 rows, 5 clusters, W = 2, 2 epochs;
 or ``--demo-run DIR``, a ``jobs/demo.yaml --plan-only`` run directory), (b) a larger synthetic plan
 (``--synthetic-rows`` rows, lognormal lengths around 200 capped at 2,048, W = 8, k = 32 seeded uniform labels,
 2 epochs), and (c) in every real-length run above as the ``cluster_default`` arm.

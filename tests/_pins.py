@@ -21,16 +21,15 @@ command's ``selected.jsonl`` and ``selected.parquet``. The parquet metadata left
 nothing about the rows. The demo spec is pinned through ``select``: the command is ``run --plan-only`` (the same
 ``run_pipeline(plan_only=True)`` call) followed by the export, so one real-model run pins both.
 
-Issue 31 (item 4) re-pinned the plan on purpose: the default ``allocation.packing: auto`` packs the cluster plan
-with packs sized to the data (``allocate/_sized.py``), so ``plan`` changed for both specs, and with it the
-``rank``/``step`` fields of ``selected.jsonl``/``selected.parquet``. Checked against the 3c54880 artifacts
-(which matched every pin above): ``examples``, ``clusters`` and ``centroids`` are identical, and the select
-stage chose the same rows with the same cluster and reason. The demo's ``selection`` is unchanged too (80
-rows, a multiple of W x B x G, so the padded plan dropped none). The files spec's ``selection.parquet`` gained
-the one row the padded plan had dropped to fill whole steps (41 rows: the 40 of before, unchanged, plus that
-one; a packed plan drops nothing), so its pins and its weights (mean 1 over 41 rows) changed. The new demo
-pins were first derived without the model (the 3c54880 ``--plan-only`` artifacts re-planned by the new code,
-then exported by ``write_selected``), then checked by a ``select`` run of the demo spec.
+Issue 31 (item 4) re-pinned on purpose: the default ``allocation.packing: auto`` packs the cluster plan with packs
+sized to the data (``allocate/_sized.py``), so ``plan`` changed for both specs, and with it the ``rank``/``step``
+fields of ``selected.jsonl``/``selected.parquet``. Checked against the 3c54880 artifacts (which matched every pin
+above): ``examples``, ``clusters`` and ``centroids`` are identical, and the select stage chose the same rows
+with the same cluster and reason. A packed plan drops nothing, while the padded plan dropped the rows beyond
+whole steps of W x B x G: so ``selection.parquet`` (the rows the plan trains) gained exactly those rows, the
+rest unchanged: 41 rows instead of 40 for the files spec, 86 instead of 80 for the demo (the padded plan of
+those 86 rows equals the old pinned demo plan frame; its figures are checked in tests/allocate/test_sized.py); the weights (mean 1
+over the rows listed) changed with them. The demo pins were taken from a ``select`` run of the demo spec.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "mixed_120.jsonl"
 # sha256 prefixes of content_hash() for the spec of files_spec() and for jobs/demo.yaml, at c56fe9a (plan: since
 # the per-epoch re-cut and the packed default, files selection: since the packed default; see the module docstring).
 FILES_PINNED = {"clusters": "41fee4bbe8ae827c", "selection": "a114515a508e62a4", "plan": "dd30fcaf7fb6b68d"}
-DEMO_PINNED = {"clusters": "b19770f52c992e1e", "selection": "4ac23133e3963fe2", "plan": "3b56daaee1897022"}
+DEMO_PINNED = {"clusters": "b19770f52c992e1e", "selection": "062c18da1c1e122a", "plan": "73b0f7bf296bcaef"}
 
 
 # The columns pinned: those the files had at c56fe9a (selection.parquet has since gained ``weight``).
@@ -74,10 +73,10 @@ DEMO_FULL_PINNED = {
     "examples": {"hash": "504fa7779358404f", "floats": {}},
     "clusters": {"hash": "2f095f31d1611632", "floats": {"distance": [278.0, 97.78961122, 97.78961122, 101.905561482]}},
     "centroids": {"hash": "b4992cf76b3d19f2", "floats": {"centroid": [1280.0, -1.160033746, 63.895792676, -0.450451279]}},
-    "selection": {"hash": "db85d7208fb449eb", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
-    "plan": {"hash": "9b93aef2e6134865", "floats": {}},
-    "selected.jsonl": {"hash": "c0fc595f272adc90", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
-    "selected.parquet": {"hash": "627b831234b7f1f0", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
+    "selection": {"hash": "32f23b08ed1fbe9b", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},
+    "plan": {"hash": "a644d774162e0c8a", "floats": {}},
+    "selected.jsonl": {"hash": "0127775dc2081663", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},
+    "selected.parquet": {"hash": "385862ad0757fc39", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},
 }
 # The c56fe9a clusters pins (content_hash: float bits included) as this project's 2-core AMD EPYC machines
 # compute them (AVX2, no AVX-512): the float32 distance column differs in its last bits from the machine the pins

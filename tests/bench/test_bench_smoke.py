@@ -60,7 +60,7 @@ def test_plan_goals_runs(tmp_path):
     assert fig["rows"] == 300 and set(fig["runs"]) >= {"tfidf_W2_k4", "random_W2_k8"} and out.is_file()
     assert "cluster_default" in fig["runs"]["random_W2_k4"]
     demo, synth = fig["defaults"]["demo"], fig["defaults"]["synthetic"]
-    assert demo["shape"] == {"rows": 80, "tokens": 12367, "k": 5, "W": 2, "B": 4, "G": 1, "epochs": 2}
+    assert demo["shape"] == {"rows": 86, "tokens": 14051, "k": 5, "W": 2, "B": 4, "G": 1, "epochs": 2}
     assert synth["shape"]["rows"] == 2000 and synth["shape"]["W"] == 8
     for r in (demo, synth):  # the new default: no collision counted per row, no padding (the figures: the docs)
         new, old = r["new_default_sized_packs"], r["old_default_unpacked"]
