@@ -27,6 +27,14 @@ packed (the TRL / axolotl baseline: random order, best-fit decreasing, packs dea
 collisions counted per row <= 0.05 per step. Then the time to plan 10^6 synthetic examples (lognormal lengths
 around 200, 64 random clusters, W = 8, 1 epoch) must stay under a minute.
 
+The default plan against the one before it (issue 31): ``allocation.packing: auto`` packs the cluster plan with
+packs sized to the data (no ``train.max_tokens_per_micro_batch``), where the old default was the unpacked cluster
+plan (micro-batch 4). Side by side, per-row collisions, token max/mean, padding and critical path ÷ bound, on
+(a) the demo's own selection (``tests/fixtures/demo_plan_inputs.json``: 86 rows, 5 clusters, W = 2, 2 epochs;
+or ``--demo-run DIR``, a ``jobs/demo.yaml --plan-only`` run directory), (b) a larger synthetic plan
+(``--synthetic-rows`` rows, lognormal lengths around 200 capped at 2,048, W = 8, k = 32 seeded uniform labels,
+2 epochs), and (c) in every real-length run above as the ``cluster_default`` arm.
+
 Prints a table, then one JSON line last; writes ``bench/results/plan_goals.json``.
 
 Usage::
@@ -98,12 +106,12 @@ def one(ids, labels, n_tokens, w: int, cap: int) -> dict:
 
     out = {}
     for name, strategy, packing in (("cluster_packed", "cluster", True), ("random_packed", "random", True),
-                                    ("cluster_unpacked", "cluster", False)):
+                                    ("cluster_unpacked", "cluster", False), ("cluster_default", "cluster", None)):
         t0 = time.perf_counter()
-        res = make_plan(ids, labels, n_tokens, w, 4, 1, 1, strategy=strategy, seed=0, packing=packing,
+        res = make_plan(ids, labels, n_tokens, w, 4, 1, 1, strategy=strategy, seed=0, packing=packing is not False,
                         max_tokens_per_micro_batch=cap if packing else None)
         sec = time.perf_counter() - t0
-        m = plan_metrics(res.plan, w, cap if packing else None)
+        m = plan_metrics(res.plan, w, res.pack_tokens)
         m["seconds"] = sec
         m["dropped"] = len(res.dropped)
         if packing:  # a cluster with more single-cluster packs than steps must repeat within some step
@@ -112,6 +120,65 @@ def one(ids, labels, n_tokens, w: int, cap: int) -> dict:
             m["forced_collisions_per_step"] = float(np.maximum(per - m["steps"], 0).sum() / m["steps"])
         out[name] = m
     return out
+
+
+DEFAULT_KEYS = ("collisions_per_step_rows", "token_imbalance_mean", "token_imbalance_max", "padding_fraction",
+                "critical_path_vs_bound", "critical_path_tokens", "steps")
+
+
+def demo_inputs(run_dir: Path | None):
+    """(ids, clusters, n_tokens, W, B, G, epochs) of the demo's selection: a run directory's ``selection.parquet``
+    joined with its ``examples.parquet`` (W, B, G, epochs from its ``config.yaml``), or the stored fixture."""
+    if run_dir is None:
+        d = json.loads((ROOT / "tests" / "fixtures" / "demo_plan_inputs.json").read_text())
+        return (np.array(d["example_id"]), np.array(d["cluster"]), np.array(d["n_tokens"]), d["world_size"],
+                d["micro_batch_size"], d["grad_accum"], d["epochs"])
+    import pandas as pd
+    import yaml
+
+    sel = pd.read_parquet(run_dir / "selection.parquet")
+    ex = pd.read_parquet(run_dir / "examples.parquet", columns=["example_id", "n_tokens"])
+    df = sel.merge(ex, on="example_id", how="left")
+    t = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
+    return (df["example_id"].to_numpy(), df["cluster"].to_numpy(np.int64), df["n_tokens"].to_numpy(np.int64),
+            t["num_workers"], t["micro_batch_size"], t["grad_accum"], t["epochs"])
+
+
+def old_vs_new(ids, labels, n_tokens, w: int, b: int, g: int, epochs: int) -> dict:
+    """The old default (the unpacked cluster plan) and the new one (packs sized to the data) of the same rows."""
+    from ray_cluster_ft.allocate import make_plan, plan_metrics
+
+    out = {}
+    for name, packing in (("old_default_unpacked", False), ("new_default_sized_packs", True)):
+        t0 = time.perf_counter()
+        res = make_plan(ids, labels, n_tokens, w, b, g, epochs, seed=0, packing=packing)
+        sec = time.perf_counter() - t0
+        m = plan_metrics(res.plan, w, res.pack_tokens)
+        out[name] = {**{k: m[k] for k in DEFAULT_KEYS}, "pack_tokens": res.pack_tokens, "dropped": len(res.dropped),
+                     "seconds": sec}
+    share = np.bincount(np.unique(labels, return_inverse=True)[1], weights=n_tokens) / n_tokens.sum()
+    out["largest_cluster_token_share"] = float(share.max())
+    out["shape"] = {"rows": int(ids.size), "tokens": int(n_tokens.sum()), "k": int(np.unique(labels).size), "W": w,
+                    "B": b, "G": g, "epochs": epochs}
+    return out
+
+
+def defaults(demo_run: Path | None, synthetic_rows: int) -> dict:
+    """:func:`old_vs_new` on the demo's selection and on a synthetic plan; prints the side-by-side table."""
+    rng = np.random.default_rng(0)
+    nt = np.clip(np.round(rng.lognormal(math.log(200.0), 0.6, synthetic_rows)), 8, 2048).astype(np.int64)
+    synth = (np.array([f"s{i:07d}" for i in range(synthetic_rows)]), rng.integers(0, 32, synthetic_rows), nt, 8, 4,
+             1, 2)
+    res = {"demo": old_vs_new(*demo_inputs(demo_run)), "synthetic": old_vs_new(*synth)}
+    print(f"{'plan':>10} {'default':>24} {'coll/step rows':>14} {'max/mean':>9} {'worst':>7} {'padding':>8} "
+          f"{'cp/bound':>8} {'steps':>6} {'pack':>6}")
+    for where, r in res.items():
+        for name in ("old_default_unpacked", "new_default_sized_packs"):
+            m = r[name]
+            print(f"{where:>10} {name:>24} {m['collisions_per_step_rows']:>14.3f} {m['token_imbalance_mean']:>9.4f} "
+                  f"{m['token_imbalance_max']:>7.3f} {m['padding_fraction']:>8.3f} {m['critical_path_vs_bound']:>8.4f} "
+                  f"{m['steps']:>6.0f} {m['pack_tokens'] or '':>6}")
+    return res
 
 
 def scale(n: int = 1_000_000, w: int = 8, cap: int = 4096) -> float:
@@ -134,7 +201,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=6000, help="rows of the seeded sample (the figures: 6000)")
     ap.add_argument("--workers", type=int, nargs="+", default=[4, 8], help="world sizes W (k = 2W and 4W each)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "plan_goals.json")
+    ap.add_argument("--demo-run", type=Path, default=None,
+                    help="a jobs/demo.yaml --plan-only run directory (default: tests/fixtures/demo_plan_inputs.json)")
+    ap.add_argument("--synthetic-rows", type=int, default=100_000, help="rows of the synthetic old-vs-new plan")
     args = ap.parse_args(argv)
+    result_defaults = defaults(args.demo_run, args.synthetic_rows)
     ids, texts, n_tokens = real_rows(args.max_seq_len, args.rows)
     rng = np.random.default_rng(1)
     result = {"rows": int(ids.size), "max_tokens_per_micro_batch": args.max_tokens, "max_seq_len": args.max_seq_len,
@@ -172,6 +243,7 @@ def main(argv=None) -> dict:
               f"(goal < 60 s)")
         if result["seconds_1e6"] > GOALS["seconds_1e6"]:
             misses.append(f"seconds_1e6 {result['seconds_1e6']:.1f} vs goal 60")
+    result["defaults"] = result_defaults
     result["goals"] = GOALS
     result["misses"] = misses
     print("goals missed: " + ("; ".join(misses) if misses else "none"))

@@ -62,7 +62,7 @@ def check_against_data(cfg: JobConfig, n_train: int, n_read: int | None = None,
     n_sel = n_train if cfg.selection.strategy == "full" else budget_count(b, n_train)
     if bt is not None:
         n_sel = n_train  # how many rows a token budget takes is known after selection (select.run checks it)
-    if cfg.allocation.packing:  # a pack may hold one example: a step needs W x G of them
+    if cfg.packed:  # a pack may hold one example: a step needs W x G of them
         per_step = t.num_workers * t.grad_accum
         if n_sel < per_step:
             raise ConfigError(

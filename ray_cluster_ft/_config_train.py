@@ -37,8 +37,11 @@ class TrainConfig(Section):
     use_gpu: bool = Field(False, description="one GPU per worker (NCCL); false: CPU workers (gloo)")
     cpus_per_worker: int = Field(1, ge=1, description="CPUs each worker reserves")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
-    micro_batch_size: int = Field(4, ge=1, description="rows per micro-batch per rank (with allocation.packing: "
-                                                       "unused, a micro-batch is one pack)")
+    micro_batch_size: int = Field(4, ge=1, description="rows per micro-batch per rank; packed, a micro-batch is "
+                                                       "one pack, and packs sized to the data (allocation.packing: "
+                                                       "auto, no max_tokens_per_micro_batch) keep the unpacked step "
+                                                       "count, selected rows // (num_workers x micro_batch_size x "
+                                                       "grad_accum)")
     grad_accum: int = Field(1, ge=1, description="micro-batches per rank per optimizer step")
     epochs: int = Field(1, ge=1, le=1000, description="passes over the selection (the plan grows with it)")
     lr: float = Field(2e-5, gt=0, description="peak learning rate")
@@ -70,8 +73,11 @@ class TrainConfig(Section):
                           "token-exact: sum_i w_i sum_t l_it / sum_i w_i |T_i| over all its ranks")
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = no limit")
     max_tokens_per_micro_batch: int | None = Field(
-        None, ge=8, description="allocation.packing only, and required by it: tokens per pack at most (whole "
-                                "examples, never cut, so at least data.max_seq_len)")
+        None, ge=8, description="packed plans only: tokens per pack at most (whole examples, never cut, so at "
+                                "least data.max_seq_len); required by allocation.packing: true; under auto, "
+                                "unset = packs sized to the data (the unpacked step count, each pack near the "
+                                "epoch's tokens / (steps x num_workers x grad_accum); the manifest's "
+                                "allocation.max_tokens_per_micro_batch gives the size)")
 
     final_checkpoint: bool = Field(
         True, description="write a last checkpoint after the final step (off when only final_model/ is wanted)")

@@ -57,12 +57,15 @@ class Plan:
             ``weight`` float64 (mean 1), the selected rows the plan trains.
         plan: ``plan.parquet``'s content (:data:`ray_cluster_ft.allocate.PLAN_COLUMNS`), in each rank's order.
         metrics: :func:`ray_cluster_ft.allocate.plan_metrics` of the plan (floats).
+        pack_tokens: a packed plan's pack size in tokens (``train.max_tokens_per_micro_batch`` as set, or chosen
+            from the data under ``allocation.packing: auto``); ``None`` unpacked.
     """
 
     clusters: pd.DataFrame | None
     selection: pd.DataFrame
     plan: pd.DataFrame
     metrics: dict
+    pack_tokens: int | None = None
 
 
 def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *, world_size: int | None = None,
@@ -292,12 +295,12 @@ def select_and_plan(features, n_tokens, cfg: JobConfig, *, example_ids=None) -> 
         clusters, labels, dist = table.to_pandas(), res.labels, res.dist
     sel = select_with_config(cfg, n_candidates=len(ids), sketches=x if labels is not None else None,
                              labels=labels, dist=dist, n_tokens=tok).result
-    plan, selection = _allocate(cfg, ids, labels if labels is not None else np.zeros(len(ids), dtype=np.int64),
-                                tok, sel)
+    plan, selection, pack_tokens = _allocate(cfg, ids, labels if labels is not None else np.zeros(len(ids),
+                                                                                                  dtype=np.int64),
+                                             tok, sel)
     from .allocate import plan_metrics
 
-    return Plan(clusters, selection, plan, plan_metrics(plan, cfg.train.num_workers,
-                                                        cfg.train.max_tokens_per_micro_batch))
+    return Plan(clusters, selection, plan, plan_metrics(plan, cfg.train.num_workers, pack_tokens), pack_tokens)
 
 
 def _plan_inputs(features, n_tokens, example_ids) -> tuple:
@@ -323,13 +326,14 @@ def _plan_inputs(features, n_tokens, example_ids) -> tuple:
     return x, tok.astype(np.int64), ids
 
 
-def _allocate(cfg: JobConfig, ids, labels, n_tokens, sel) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``(plan, selection)`` exactly as the allocation stage writes ``plan.parquet`` and ``selection.parquet``
-    (both come from :func:`ray_cluster_ft.allocate.plan_selection`)."""
+def _allocate(cfg: JobConfig, ids, labels, n_tokens, sel) -> tuple[pd.DataFrame, pd.DataFrame, int | None]:
+    """``(plan, selection, pack tokens)`` exactly as the allocation stage writes ``plan.parquet`` and
+    ``selection.parquet`` (both come from :func:`ray_cluster_ft.allocate.plan_selection`); the pack size is
+    ``PlanResult.pack_tokens`` (None unpacked)."""
     from .allocate import plan_selection
 
     res, table = plan_selection(cfg, ids, labels, n_tokens, np.asarray(sel.indices), sel.reasons)
-    return res.plan, table.to_pandas()
+    return res.plan, table.to_pandas(), res.pack_tokens
 
 
 SELECTED_COLUMNS = ("example_id", "cluster", "weight", "rank", "step")

@@ -393,19 +393,26 @@ class AllocationConfig(Section):
     pad_tolerance: float = Field(
         0.05, ge=0.0, le=1.0,
         description="cluster only: largest padding fraction a single-cluster micro-batch may keep; the others "
-                    "are re-cut from rows of several clusters (higher: purer micro-batches, more padding)")
+                    "are re-cut from rows of several clusters (higher: purer micro-batches, more padding); with a "
+                    "pack size set, the largest empty share a single-cluster pack may keep; packs sized to the "
+                    "data do not use it")
     allow_shared_clusters: bool = Field(
         False, description="cluster only: run with clustering.k below train.num_workers (ranks of a step then "
                            "share clusters); off, such a config is refused")
-    packing: bool = Field(
-        False, description="a micro-batch is a pack: whole examples concatenated up to "
-                           "train.max_tokens_per_micro_batch tokens, position_ids restarting per example, no "
-                           "padding; every rank gets train.grad_accum packs per step. cluster packs each cluster by "
-                           "best-fit decreasing; random is TRL's packed baseline; length is refused")
+    packing: Union[bool, Literal["auto"]] = Field(
+        "auto", description="a micro-batch is a pack: whole examples concatenated up to "
+                            "train.max_tokens_per_micro_batch tokens, position_ids restarting per example, no "
+                            "padding; every rank gets train.grad_accum packs per step. cluster packs each cluster by "
+                            "best-fit decreasing and keeps every step's ranks on distinct clusters counted per row; "
+                            "random is TRL's packed baseline; length is refused. ``auto`` (the default) = packed "
+                            "for strategy cluster unless model.trust_remote_code (a model's own code may ignore "
+                            "position_ids and attend across the examples of a pack), with the pack size chosen "
+                            "from the data when train.max_tokens_per_micro_batch is unset; unpacked otherwise. "
+                            "The manifest's allocation.packing says what it resolved to")
 
     @model_validator(mode="after")
     def _length_is_not_packed(self) -> "AllocationConfig":
-        if self.packing and self.strategy == "length":
+        if self.packing is True and self.strategy == "length":
             raise ValueError("allocation.strategy 'length' with allocation.packing: packing already removes the "
                              "padding that grouping by length avoids; use 'random' (the packed baseline) or 'cluster'")
         return self
@@ -443,14 +450,31 @@ class JobConfig(Section):
                              "output.save_model: true")
         return self
 
+    @property
+    def packed(self) -> bool:
+        """``allocation.packing`` resolved: ``true``/``false`` as written; ``auto`` packs the ``cluster`` strategy
+        unless ``model.trust_remote_code``. Every transformers causal LM builds its attention mask with
+        ``masking_utils``, which turns ``position_ids`` restarting at 0 into a block-diagonal causal mask
+        (sdpa, eager; flash_attention_2 gets varlen arguments): a packed forward equals the per-example ones
+        (``tests/train/test_packing.py``). A model's own code (``trust_remote_code``) may build its own mask and
+        let a pack's examples attend to each other silently, so ``auto`` does not pack it."""
+        p = self.allocation.packing
+        if p != "auto":
+            return bool(p)
+        return self.allocation.strategy == "cluster" and not self.model.trust_remote_code
+
     @model_validator(mode="after")
     def _packing_needs_a_size(self) -> "JobConfig":
         m = self.train.max_tokens_per_micro_batch
-        if self.allocation.packing and m is None:
-            raise ValueError("allocation.packing: true needs train.max_tokens_per_micro_batch (tokens per pack)")
-        if not self.allocation.packing and m is not None:
-            raise ValueError("train.max_tokens_per_micro_batch sizes packs: it needs allocation.packing: true")
-        if self.allocation.packing and m < self.data.max_seq_len:
+        if self.allocation.packing is True and m is None:
+            raise ValueError("allocation.packing: true needs train.max_tokens_per_micro_batch (tokens per pack); "
+                             "allocation.packing: auto chooses it from the data")
+        if not self.packed and m is not None:
+            why = "" if self.allocation.packing is False else (
+                " (allocation.packing: auto does not pack here: strategy "
+                f"{self.allocation.strategy!r}{', model.trust_remote_code' if self.model.trust_remote_code else ''})")
+            raise ValueError(f"train.max_tokens_per_micro_batch sizes packs: it needs allocation.packing: true{why}")
+        if self.packed and m is not None and m < self.data.max_seq_len:
             raise ValueError(
                 f"train.max_tokens_per_micro_batch={m} is below data.max_seq_len={self.data.max_seq_len}: a pack never "
                 f"cuts an example, so every example must fit one pack; raise it to at least {self.data.max_seq_len}")

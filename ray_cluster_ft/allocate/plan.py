@@ -41,6 +41,7 @@ from ._packs import (
     random_epoch_sched,
     random_packs,
 )
+from ._sized import sized_epoch, sized_steps
 from ._slots import (
     _TAG_DROP,
     _TAG_ORDER,
@@ -70,11 +71,14 @@ class PlanResult:
         dropped: example ids (input order) left out so that every rank gets the same number of full
             micro-batches; fewer than ``world_size * micro_batch_size * grad_accum``.
         n_requested: number of examples given (kept + dropped).
+        pack_tokens: packed plans only: the tokens a pack may hold, ``max_tokens_per_micro_batch`` as given or,
+            for packs sized to the data, the fullest pack's tokens; ``None`` unpacked.
     """
 
     plan: pd.DataFrame
     dropped: np.ndarray
     n_requested: int
+    pack_tokens: int | None = None
 
 
 def _validate(example_ids, clusters, n_tokens):
@@ -272,10 +276,15 @@ def cluster_per_rank_plan(ids: np.ndarray, cl: np.ndarray, nt: np.ndarray, w: in
     return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(ids.size))
 
 
-def _packed_plan(ids, cl, nt, w: int, g: int, epochs: int, strategy: str, seed: int, tol: float,
+def _packed_plan(ids, cl, nt, w: int, b: int, g: int, epochs: int, strategy: str, seed: int, tol: float,
                  max_tokens) -> PlanResult:
     """:func:`make_plan` with ``packing=True`` (see there). Every row is kept except under
     ``cluster_per_rank``, whose ranks must hold the same number of packs of their own cluster."""
+    if max_tokens is None and strategy == "cluster":
+        return _sized_plan(ids, cl, nt, w, b, g, epochs, seed)
+    if max_tokens is None:
+        raise ValueError(f"strategy {strategy!r} with packing needs max_tokens_per_micro_batch (packs sized to the "
+                         f"data are the cluster strategy's)")
     cap = _positive("max_tokens_per_micro_batch", max_tokens)
     if strategy == "length":
         raise ValueError("strategy 'length' with packing: packing already removes the padding that grouping by "
@@ -324,7 +333,19 @@ def _packed_plan(ids, cl, nt, w: int, g: int, epochs: int, strategy: str, seed: 
             own = np.stack([r * n_packs + _rng(seed, _TAG_ORDER, e, r).permutation(n_packs) for r in range(w)])
             parts.append((prow_all, pptr_all, own.reshape(w, -1, g).transpose(1, 2, 0)))
     plan = packed_frame(parts, ids, cl, nt)
-    return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(n))
+    return PlanResult(plan=plan, dropped=ids[drop].astype(object), n_requested=int(n), pack_tokens=cap)
+
+
+def _sized_plan(ids, cl, nt, w: int, b: int, g: int, epochs: int, seed: int) -> PlanResult:
+    """The packed ``cluster`` plan with packs sized to the data (:mod:`ray_cluster_ft.allocate._sized`): the
+    unpacked plan's step count, every pack near ``T / (S W G)`` tokens, nothing dropped."""
+    steps = sized_steps(nt, w, b, g)
+    _, code = np.unique(cl, return_inverse=True)
+    code = code.astype(np.int64)
+    parts = [sized_epoch(code, nt, w, g, steps, seed + e) for e in range(epochs)]
+    cap = max(int(np.add.reduceat(nt[rows], ptr[:-1]).max()) for rows, ptr, _ in parts)
+    return PlanResult(plan=packed_frame(parts, ids, cl, nt), dropped=ids[:0].astype(object),
+                      n_requested=int(ids.size), pack_tokens=cap)
 
 
 def make_plan(
@@ -414,7 +435,7 @@ def make_plan(
                                          pad_tolerance)
     ids, cl, nt = _validate(example_ids, clusters, n_tokens)
     if packing:
-        return _packed_plan(ids, cl, nt, w, g, n_epochs, strategy, seed, float(pad_tolerance),
+        return _packed_plan(ids, cl, nt, w, b, g, n_epochs, strategy, seed, float(pad_tolerance),
                             max_tokens_per_micro_batch)
     if max_tokens_per_micro_batch is not None:
         raise ValueError("max_tokens_per_micro_batch sizes packs: it needs packing=True")

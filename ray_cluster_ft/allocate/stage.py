@@ -31,6 +31,8 @@ class AllocateOutput:
         metrics: ``{strategy: plan_metrics, "random (baseline)": plan_metrics}``.
         weights: float64 per planned example, indexed by ``example_id``: the selection weight
             (:func:`ray_cluster_ft.select.selection_weights`, mean 1), also ``selection.parquet``'s ``weight``.
+        packing: the manifest's ``allocation`` (:func:`packing_summary`): packing as resolved, the pack size
+            used, the clusters above 1/W of the tokens.
     """
 
     plan: pd.DataFrame
@@ -38,6 +40,7 @@ class AllocateOutput:
     baseline: pd.DataFrame | None
     metrics: dict
     weights: pd.Series
+    packing: dict
 
     @property
     def summary(self) -> dict:
@@ -46,10 +49,15 @@ class AllocateOutput:
 
 
 def plan_selection(cfg, example_ids: np.ndarray, labels: np.ndarray, n_tokens: np.ndarray, selected: np.ndarray,
-                   reasons, strategy: str | None = None) -> tuple[PlanResult, pa.Table]:
+                   reasons, strategy: str | None = None, pack_tokens: int | None = None
+                   ) -> tuple[PlanResult, pa.Table]:
     """The plan of the selected candidates and the selection table it trains, pure (no I/O).
 
-    Args: as :func:`run`; ``strategy`` overrides ``allocation.strategy`` (the random baseline).
+    Args: as :func:`run`; ``strategy`` overrides ``allocation.strategy`` (the random baseline); ``pack_tokens``
+    overrides ``train.max_tokens_per_micro_batch`` (the random baseline of a plan whose packs were sized to the
+    data gets the same pack size). ``allocation.packing`` is resolved by :attr:`JobConfig.packed`; packed
+    without ``train.max_tokens_per_micro_batch``, the cluster plan sizes its packs to the data
+    (``PlanResult.pack_tokens`` says to how many tokens).
 
     Returns:
         ``(PlanResult, selection)``: ``selection`` has ``example_id`` (string), ``cluster`` (int32), ``reason``
@@ -63,7 +71,7 @@ def plan_selection(cfg, example_ids: np.ndarray, labels: np.ndarray, n_tokens: n
     sel_ids, sel_labels = example_ids[selected], labels[selected]
     res = make_plan(sel_ids, sel_labels, n_tokens[selected], t.num_workers, t.micro_batch_size, t.grad_accum,
                     t.epochs, strategy=strategy or a.strategy, seed=a.seed, pad_tolerance=a.pad_tolerance,
-                    packing=a.packing, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+                    packing=cfg.packed, max_tokens_per_micro_batch=pack_tokens or t.max_tokens_per_micro_batch)
     keep = np.isin(sel_ids, res.plan["example_id"].unique())
     weight = selection_weights(labels, selected[keep], cfg.selection.strategy)
     table = pa.table({"example_id": pa.array(sel_ids[keep].tolist(), type=pa.string()),
@@ -106,16 +114,34 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
                           f"data, the config or a package changed. Start a fresh run directory.")
     plan.to_parquet(claim(run_dir, "plan.parquet", "selection.parquet"), index=False)
     pq.write_table(selection, run_dir / "selection.parquet")
-    cap = cfg.train.max_tokens_per_micro_batch if cfg.allocation.packing else None
+    cap = res.pack_tokens
     metrics = {cfg.allocation.strategy: plan_metrics(plan, W, cap)}
     baseline = None
     t = cfg.train
     # The published plan may hold less than one whole step of W x B x G rows, which a random split cannot fill.
-    fits = len(selected) >= W * t.grad_accum * (1 if cfg.allocation.packing else t.micro_batch_size)
+    fits = len(selected) >= W * t.grad_accum * (1 if cap is not None else t.micro_batch_size)
     if cfg.allocation.strategy != "random" and fits:
-        baseline = plan_selection(cfg, example_ids, labels, n_tokens, selected, reasons, strategy="random")[0].plan
+        baseline = plan_selection(cfg, example_ids, labels, n_tokens, selected, reasons, strategy="random",
+                                  pack_tokens=cap)[0].plan
         metrics["random (baseline)"] = plan_metrics(baseline, W, cap)
     print(f"[ray-cluster-ft] plan: {json.dumps(metrics, default=float)}", flush=True)
     weights = pd.Series(selection.column("weight").to_numpy(), index=selection.column("example_id").to_pylist(),
                         dtype=np.float64)
-    return AllocateOutput(plan, res, baseline, metrics, weights)
+    return AllocateOutput(plan, res, baseline, metrics, weights, packing_summary(cfg, plan, res.pack_tokens))
+
+
+def packing_summary(cfg, plan: pd.DataFrame, pack_tokens: int | None) -> dict:
+    """The manifest's ``allocation``: ``packing`` (resolved, bool), ``packing_setting`` (as written: true,
+    false or auto), ``max_tokens_per_micro_batch`` (the pack size used: as set, or chosen from the data, ``pack_size:
+    "data"``; None unpacked), and ``over_share``: the clusters holding more than 1/W of the planned tokens
+    (``[{"cluster", "token_share"}]``, largest first), which must sit on two ranks at some step under any plan,
+    so ``collisions_per_step_rows`` cannot be 0 while one exists."""
+    from ._sized import over_share
+
+    labels, code = np.unique(plan["cluster"].to_numpy(np.int64), return_inverse=True)
+    w = cfg.train.num_workers
+    big = over_share(code, plan["n_tokens"].to_numpy(np.int64), w) if w > 1 else []
+    return {"packing": bool(cfg.packed), "packing_setting": cfg.allocation.packing,
+            "max_tokens_per_micro_batch": pack_tokens,
+            "pack_size": None if pack_tokens is None else ("set" if cfg.train.max_tokens_per_micro_batch else "data"),
+            "over_share": [{"cluster": int(labels[c]), "token_share": round(share, 4)} for c, share in big]}

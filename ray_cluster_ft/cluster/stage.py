@@ -182,7 +182,7 @@ def drift_warning(d: dict, refit: bool = False) -> str:
 
 def _cap_unit(cfg) -> str:
     by = cfg.clustering.cap_by
-    return by if by != "auto" else ("tokens" if cfg.allocation.packing else "rows")
+    return by if by != "auto" else ("tokens" if cfg.packed else "rows")
 
 
 def cap_weights(cfg, n_tokens) -> np.ndarray | None:

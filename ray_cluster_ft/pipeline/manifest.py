@@ -112,6 +112,7 @@ def pipeline_manifest(cfg, run_dir: Path, timer: StageTimer, *, spec: dict, resu
     if cluster is not None:
         manifest["clustering"] = {**cluster.summary, **(profile or {})}
     manifest["plan_metrics"] = allocate.summary
+    manifest["allocation"] = allocate.packing
     check = train.checks if train is not None else dict(NOT_TRAINED)
     d = data.summary
     n_train, n_eval = d["candidates"], d["held_out"]

@@ -200,7 +200,8 @@ def _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume) -> tu
         before = evaluate.run(cfg, run_dir, model_path=ds.model_path, when="before", resume=resume, **scoring)
     with timer.stage("train"):
         trained = train.run(cfg, run_dir, plan=alloc.plan, candidates=ds.result.train, model_path=ds.model_path,
-                            pad_token_id=ds.pad_token_id, weights=alloc.weights, resume=resume)
+                            pad_token_id=ds.pad_token_id, weights=alloc.weights, resume=resume,
+                            pack_tokens=alloc.result.pack_tokens)
     with timer.stage("evaluate_after"):
         final = trained.result.final_model_dir
         after = evaluate.run(cfg, run_dir, model_path=str(final) if final else None, when="after", **scoring)

@@ -206,6 +206,7 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
         keys = list(next(iter(pm.values())).keys())
         lines += ["## Allocation plan vs random allocation", "",
                   _table(["metric"] + list(pm), [[k] + [pm[s].get(k) for s in pm] for k in keys]), ""]
+        lines += _packing_lines(manifest.get("allocation"), manifest.get("config", {}).get("train", {}))
 
     warning = manifest.get("clustering", {}).get("warning")
     if warning:
@@ -226,6 +227,34 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _packing_lines(alloc: dict | None, train: dict) -> list[str]:
+    """The report's lines on packing and per-row collisions: what ``allocation.packing`` resolved to, the pack
+    size, and whether ``collisions_per_step_rows`` can be 0: it cannot while a cluster holds more than 1/W of the
+    planned tokens (each such cluster named with its share)."""
+    if not alloc:
+        return []
+    w = train.get("num_workers")
+    setting = alloc["packing_setting"]
+    how = f"`allocation.packing: {str(setting).lower()}`"
+    if alloc["packing"]:
+        size = ("chosen from the data" if alloc.get("pack_size") == "data" else "as set")
+        text = (f"Packed ({how}): packs of at most {alloc['max_tokens_per_micro_batch']:,} tokens ({size}), "
+                f"position_ids restarting per example, no padding.")
+    else:
+        text = f"Not packed ({how}): micro-batches of `train.micro_batch_size` padded rows."
+    big = alloc.get("over_share") or []
+    if big:
+        names = ", ".join(f"cluster {b['cluster']} ({b['token_share']:.1%} of the tokens)" for b in big)
+        text += (f" Same-cluster collisions counted per row cannot be 0: {names} holds more than 1/{w} of the "
+                 f"planned tokens, so it sits on two ranks at some step under any plan (a soft cap counting tokens, "
+                 f"`clustering.max_cluster_ratio` with `cap_by: tokens`, or a larger `clustering.k` avoids it).")
+    else:
+        text += f" No cluster holds more than 1/{w} of the planned tokens, so every step's ranks can hold distinct "
+        text += "clusters counted per row" + (" (the packed cluster plan keeps them so)." if alloc["packing"] else
+                                              "; the unpacked plan keeps only each micro-batch's majority apart.")
+    return [text, ""]
 
 
 def _count_lines(manifest: dict) -> list[str]:

@@ -97,12 +97,12 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
         res = select(s.strategy, sketches, labels, dist, within=s.within, dedup_threshold=s.dedup_threshold,
                      seed=s.seed, n_tokens=n_tokens, budget_tokens=want, groups=s.groups)
         t = cfg.train
-        need = t.num_workers * t.grad_accum * (1 if cfg.allocation.packing else t.micro_batch_size)
+        need = t.num_workers * t.grad_accum * (1 if cfg.packed else t.micro_batch_size)
         if res.indices.size < need:
             raise ConfigError(
                 f"selection.budget_tokens={s.budget_tokens} ({want} tokens) selects {res.indices.size} examples, "
                 f"fewer than one optimizer step needs ({need}: train.num_workers x train.grad_accum"
-                f"{'' if cfg.allocation.packing else ' x train.micro_batch_size'}); raise the budget")
+                f"{'' if cfg.packed else ' x train.micro_batch_size'}); raise the budget")
         return SelectOutput(int(res.indices.size), res, want)
     requested = n_candidates if s.strategy == "full" else budget_count(s.budget, n_candidates)
     res = select(s.strategy, sketches, labels, dist, requested, within=s.within, dedup_threshold=s.dedup_threshold,

@@ -432,9 +432,11 @@ class TrainOutput:
 
 
 def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_path: str, pad_token_id: int,
-        weights: pd.Series | None = None, resume: bool = False) -> TrainOutput:
+        weights: pd.Series | None = None, resume: bool = False, pack_tokens: int | None = None) -> TrainOutput:
     """The training stage: :func:`train` on the planned rows of ``candidates`` (the whole candidates table;
     only the rows the plan names are sent to the workers), then the trained log checked against the plan.
+    ``pack_tokens``: a packed plan's pack size (``PlanResult.pack_tokens``: ``train.max_tokens_per_micro_batch``
+    or the size chosen from the data under ``allocation.packing: auto``), the most tokens a pack may hold.
 
     Returns:
         :class:`TrainOutput`.
@@ -448,9 +450,12 @@ def run(cfg, run_dir: Path, *, plan: pd.DataFrame, candidates: pa.Table, model_p
           ".fault_injected")
     ids = np.asarray(candidates.column("example_id").to_pylist())
     planned = candidates.filter(pa.array(np.isin(ids, plan["example_id"].unique())))
-    res = train(plan, planned, cfg.train, model_path, run_dir, trust_remote_code=cfg.model.trust_remote_code,
+    train_cfg = cfg.train
+    if cfg.packed and pack_tokens is not None:
+        train_cfg = cfg.train.model_copy(update={"max_tokens_per_micro_batch": int(pack_tokens)})
+    res = train(plan, planned, train_cfg, model_path, run_dir, trust_remote_code=cfg.model.trust_remote_code,
                 save_model=cfg.output.save_model, pad_token_id=pad_token_id, resume=resume,
                 weights=weights if cfg.train.loss_weighting == "cluster" else None,
-                attn_implementation=cfg.model.attn_implementation, packing=cfg.allocation.packing,
+                attn_implementation=cfg.model.attn_implementation, packing=cfg.packed,
                 save_epoch_models=cfg.evaluation.every_epoch and cfg.output.save_model)
     return TrainOutput(res, verify_trained(plan, pd.read_parquet(Path(run_dir) / "trained.parquet")))

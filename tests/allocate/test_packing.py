@@ -214,8 +214,10 @@ def test_packing_errors():
     nt[17] = 100
     with pytest.raises(ValueError, match="strategy 'length' with packing"):
         make_plan(ids, cl, nt, 2, 4, strategy="length", packing=True, max_tokens_per_micro_batch=4096)
+    with pytest.raises(ValueError, match="strategy 'random' with packing needs max_tokens_per_micro_batch"):
+        make_plan(ids, cl, nt, 2, 4, strategy="random", packing=True)  # only the cluster plan sizes its packs
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be an integer"):
-        make_plan(ids, cl, nt, 2, 4, packing=True)
+        make_plan(ids, cl, nt, 2, 4, packing=True, max_tokens_per_micro_batch="big")
     with pytest.raises(ValueError, match="needs packing=True"):
         make_plan(ids, cl, nt, 2, 4, max_tokens_per_micro_batch=4096)
     with pytest.raises(ValueError, match="cannot fill one optimizer step"):

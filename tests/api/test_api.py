@@ -126,7 +126,7 @@ def test_bad_inputs_are_named(tiny_model_dir):
                              rcf.parse_config({"data": {"max_seq_len": 16}}))
     with pytest.raises(ValueError, match="warm up"):
         rcf.compute_features([ok], model, rcf.SketchConfig(warmup_steps=2))
-    cfg = rcf.parse_config({"train": {"num_workers": 2, "micro_batch_size": 4}})
+    cfg = rcf.parse_config({"train": {"num_workers": 2, "micro_batch_size": 4}, "allocation": {"packing": False}})
     with pytest.raises(ConfigError, match="examples per optimizer step"):
         rcf.select_and_plan(np.ones((10, 4), dtype=np.float32), np.full(10, 5), cfg)
     with pytest.raises(ValueError, match=r"features \(10, 4\) must be \(N, d\) with N = 12"):

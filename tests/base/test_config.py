@@ -65,8 +65,12 @@ def test_check_against_data():
     check_against_data(cfg, 100)  # 31 selected >= 2 workers x 4
     with pytest.raises(ConfigError, match="no accepted training examples"):
         check_against_data(cfg, 0)
+    check_against_data(cfg, 20)  # packed by default (allocation.packing: auto): 6 rows fill 2 ranks' packs
+    with pytest.raises(ConfigError, match=r"num_workers=2 x train.grad_accum=1 = 2 packs .* only 1"):
+        check_against_data(cfg, 3)  # round(0.31 * 3) = 1 < 2
+    unpacked = parse_config({"allocation": {"packing": False}})
     with pytest.raises(ConfigError, match=r"num_workers=2 x train.micro_batch_size=4 .* only 6"):
-        check_against_data(cfg, 20)  # round(0.31 * 20) = 6 < 8
+        check_against_data(unpacked, 20)  # round(0.31 * 20) = 6 < 8
     with pytest.raises(ConfigError, match="selection.budget=500 is above the 100"):
         check_against_data(parse_config({"selection": {"budget": 500}}), 100)
     with pytest.raises(ConfigError, match="clustering.k=101 is above the 100"):

@@ -55,8 +55,16 @@ def test_plan_scale_runs(tmp_path):
 @needs_data
 def test_plan_goals_runs(tmp_path):
     out = tmp_path / "pg.json"
-    fig = _run("plan_goals.py", "--rows", "300", "--workers", "2", "--no-scale", "--out", str(out))
+    fig = _run("plan_goals.py", "--rows", "300", "--workers", "2", "--no-scale", "--synthetic-rows", "2000",
+               "--out", str(out))
     assert fig["rows"] == 300 and set(fig["runs"]) >= {"tfidf_W2_k4", "random_W2_k8"} and out.is_file()
+    assert "cluster_default" in fig["runs"]["random_W2_k4"]
+    demo, synth = fig["defaults"]["demo"], fig["defaults"]["synthetic"]
+    assert demo["shape"] == {"rows": 86, "tokens": 14051, "k": 5, "W": 2, "B": 4, "G": 1, "epochs": 2}
+    assert synth["shape"]["rows"] == 2000 and synth["shape"]["W"] == 8
+    for r in (demo, synth):  # the new default: no collision counted per row, no padding (the figures: the docs)
+        new, old = r["new_default_sized_packs"], r["old_default_unpacked"]
+        assert new["collisions_per_step_rows"] == 0 and new["padding_fraction"] == 0 and old["padding_fraction"] > 0
 
 
 def test_gpu_check_dry_run_matches_its_references(tiny_model_dir):

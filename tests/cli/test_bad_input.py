@@ -330,11 +330,13 @@ def test_config_errors_name_the_key(raw, message):
     [
         ({"selection": {"budget": 150}}, 100, "selection.budget=150 is above the 100 accepted training examples"),
         ({"clustering": {"k": 40}}, 30, "clustering.k=40 is above the 30 accepted training examples"),
-        ({"train": {"num_workers": 8, "micro_batch_size": 2}}, 40,
+        ({"train": {"num_workers": 8, "micro_batch_size": 2}, "allocation": {"packing": False}}, 40,
          "train.num_workers=8 x train.micro_batch_size=2 x train.grad_accum=1 = 16 examples per optimizer step, "
          "but the selection holds only 12: some ranks would get no micro-batch"),
-        ({"selection": {"strategy": "full"}, "train": {"num_workers": 4, "grad_accum": 2}}, 20,
-         "= 32 examples per optimizer step, but the selection holds only 20"),
+        ({"selection": {"strategy": "full"}, "train": {"num_workers": 4, "grad_accum": 2},
+          "allocation": {"packing": False}}, 20, "= 32 examples per optimizer step, but the selection holds only 20"),
+        ({"train": {"num_workers": 8}}, 20,  # packed by default: one pack per rank per step
+         "train.num_workers=8 x train.grad_accum=1 = 8 packs per optimizer step, but the selection holds only 6"),
         ({}, 0, "no accepted training examples: every row was rejected or held out (see rejected.jsonl)"),
     ],
 )

@@ -348,8 +348,8 @@ def test_run_reports_the_cap(tmp_path):
     ids = np.asarray([f"id{i}" for i in range(100)])
     cfg, run_dir = _stage(tmp_path, {"clustering": {"k": "world_size", "algorithm": "kmeans",
                                                     "max_cluster_ratio": 1.1},
-                                     "train": {"num_workers": 2}})
-    res, summary = _stage_run(cfg, run_dir, example_ids=ids, sketches=x)
+                                     "train": {"num_workers": 2}, "allocation": {"packing": False}})
+    res, summary = _stage_run(cfg, run_dir, example_ids=ids, sketches=x)  # unpacked: cap_by auto counts rows
     assert summary["algorithm"] == "kmeans" and summary["capped"] is True and summary["cap"] == 55
     assert max(summary["sizes"]) <= 55 and sum(summary["sizes"]) == 100
 

@@ -112,5 +112,10 @@ def test_a_token_budget_below_one_step_is_a_config_error():
     cfg = JobConfig.model_validate({"data": {"source": "demo"}, "selection": {"strategy": "random",
                                                                               "budget_tokens": 2}})
     with pytest.raises(ConfigError, match=r"budget_tokens=2.0 \(2 tokens\) selects 0 examples, fewer than one "
-                                          r"optimizer step needs \(8"):
-        select_with_config(cfg, n_candidates=nt.size, n_tokens=nt)
+                                          r"optimizer step needs \(2: train.num_workers x train.grad_accum\)"):
+        select_with_config(cfg, n_candidates=nt.size, n_tokens=nt)  # packed by default: a pack per rank
+    unpacked = JobConfig.model_validate({"data": {"source": "demo"}, "allocation": {"packing": False},
+                                         "selection": {"strategy": "random", "budget_tokens": 2}})
+    with pytest.raises(ConfigError, match=r"optimizer step needs \(8: train.num_workers x train.grad_accum x "
+                                          r"train.micro_batch_size\)"):
+        select_with_config(unpacked, n_candidates=nt.size, n_tokens=nt)
