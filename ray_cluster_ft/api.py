@@ -204,12 +204,13 @@ def _tokenize(rows: Sequence[Any], tokenizer, data: DataConfig, chunk: int = 204
     msgs = []
     for i, row in enumerate(rows):
         try:
-            msgs.append(canonicalize(row))
+            msgs.append(canonicalize(row, data.format, data.columns))
         except ValueError as err:
             raise ValueError(f"compute_features: row {i}: {err}") from None
     toks: list = []
     for lo in range(0, len(msgs), chunk):  # tokenizer memory stays bounded, as in the data stage
-        toks += tokenize_rows(msgs[lo:lo + chunk], tokenizer, data.max_seq_len, data.overlong)
+        toks += tokenize_rows(msgs[lo:lo + chunk], tokenizer, data.max_seq_len, data.overlong,
+                              train_on=data.train_on, system_prompt=data.default_system_prompt)
     bad = next((i for i, t in enumerate(toks) if isinstance(t, str)), None)
     if bad is not None:
         hint = "" if "max length" not in toks[bad] else (

@@ -1,10 +1,8 @@
 """Sources -> canonical rows: the readers of JSONL / Parquet / JSON-array files and of the built-in demo data,
 and the one canonical form every row is turned into (a list of chat messages).
 
-Accepted row formats (one per row, checked in this order):
-  * chat ``messages``: a list of ``{"role", "content"}``; the last message must be the assistant's;
-  * ``prompt`` + ``response``;
-  * ``question`` + ``answer`` (the shared coding and medical sets).
+The row formats (OpenAI ``messages``, ShareGPT, Alpaca, TRL prompt/completion, prompt/response,
+question/answer[/context]) and ``data.columns`` are in :mod:`.formats`; docs/data.md describes them.
 
 A row that cannot be read or canonicalised becomes a :class:`Rejection` with its source, position and reason.
 """
@@ -16,7 +14,6 @@ import hashlib
 import json
 import re
 import reprlib
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -26,6 +23,7 @@ import pyarrow.parquet as pq
 
 from ..config import ConfigError, DataConfig
 from ..model import package_dir
+from .formats import canonical_row, is_blank
 
 __all__ = [
     "MEDICAL_SUBJECTS",
@@ -282,61 +280,14 @@ def _iter_parquet_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, A
             pos += 1
 
 
-def _check_text(v: str, what: str) -> None:
-    """Reject text the tokenizer cannot encode: a lone UTF-16 surrogate (``"\\ud800"`` in JSON) is legal JSON
-    but not a Unicode scalar, and would crash the tokenizer and the content hash."""
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as err:
-        bad = v[err.start]
-        raise ValueError(f"invalid Unicode in {what}: lone surrogate {bad!r} at character {err.start}") from None
-
-
-# Letters that render as nothing: Hangul fillers, the braille blank.
-_INVISIBLE = frozenset("\u115f\u1160\u3164\uffa0\u2800")
-# Format (Cf: U+200B, U+FEFF, joiners), control (Cc: NUL, ...) and combining marks with no base (Mn, Me:
-# U+034F, variation selectors such as U+FE0F).
-_BLANK_CATEGORIES = frozenset({"Cf", "Cc", "Mn", "Me"})
-
-
-def is_blank(text: str) -> bool:
-    """True when nothing visible is left of ``text`` after removing whitespace, Unicode format and control
-    characters, combining marks and the invisible fillers: such text looks empty to a reader and gives the model
-    nothing to learn. (A combining mark on a letter counts with its letter.)"""
-    return not any(not ch.isspace() and ch not in _INVISIBLE and unicodedata.category(ch) not in _BLANK_CATEGORIES
-                   for ch in text)
-
-
-def _nonempty_str(row: dict, key: str) -> str:
-    if key not in row:
-        raise ValueError(f"missing field '{key}'")
-    v = row[key]
-    if v is None:
-        raise ValueError(f"field '{key}' is null")
-    if not isinstance(v, str):
-        raise ValueError(f"field '{key}' is {type(v).__name__}, expected a string")
-    if is_blank(v):
-        raise ValueError(f"empty {key}")
-    _check_text(v, f"'{key}'")
-    return v
-
-
-def _present(row: dict, *keys: str) -> bool:
-    """Whether any of ``keys`` holds a value; a null counts as absent so that a Parquet file mixing formats
-    (null ``prompt`` beside a filled ``question``) reads each row in the format it uses."""
-    return any(row.get(k) is not None for k in keys)
-
-
-def _short(v: Any, n: int = 60) -> str:
-    r = repr(v) if not isinstance(v, (dict, list)) else type(v).__name__
-    return r if len(r) <= n else r[: n - 3] + "..."
-
-
-def canonicalize(row: Any) -> list[dict[str, str]]:
+def canonicalize(row: Any, fmt: str = "auto", columns: dict | None = None) -> list[dict[str, str]]:
     """Turn one input row into chat messages ending with the assistant's response.
 
     Args:
-        row: a dict with ``messages``, ``prompt``/``response`` or ``question``/``answer``.
+        row: a dict in one of the formats of :mod:`.formats` (``messages``, ``conversations``, Alpaca,
+            ``prompt`` + ``completion``/``response``, ``question`` + ``answer``).
+        fmt: ``data.format``: ``auto`` (per row) or a format name to force.
+        columns: ``data.columns``, the file's field names mapped onto the format's.
 
     Returns:
         ``[{"role": ..., "content": ...}, ...]``; the last message has role ``assistant``.
@@ -344,47 +295,16 @@ def canonicalize(row: Any) -> list[dict[str, str]]:
     Raises:
         ValueError: with the rejection reason (missing field, wrong type, empty prompt or response, ...).
     """
-    if not isinstance(row, dict):
-        raise ValueError(f"not a JSON object: {type(row).__name__}")
-    if "messages" in row and row["messages"] is not None:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ValueError("field 'messages' must be a non-empty list")
-        out = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise ValueError(f"messages[{i}] is {type(m).__name__}, expected an object")
-            role, content = m.get("role"), m.get("content")
-            if not isinstance(role, str) or role not in ("system", "user", "assistant"):
-                raise ValueError(f"messages[{i}].role is {_short(role)}, expected system/user/assistant")
-            if not isinstance(content, str):
-                raise ValueError(f"messages[{i}].content is {type(content).__name__}, expected a string")
-            _check_text(content, f"messages[{i}].content")
-            out.append({"role": role, "content": content})
-        if out[-1]["role"] != "assistant":
-            raise ValueError("the last message is not the assistant's response")
-        if is_blank(out[-1]["content"]):
-            raise ValueError("empty response")
-        if not any(m["role"] == "user" and not is_blank(m["content"]) for m in out[:-1]):
-            raise ValueError("empty prompt: no user message before the response")
-        return out
-    if _present(row, "prompt", "response") or not _present(row, "question", "answer") and (
-        "prompt" in row or "response" in row
-    ):
-        prompt, response = _nonempty_str(row, "prompt"), _nonempty_str(row, "response")
-    elif _present(row, "question", "answer") or "question" in row or "answer" in row:
-        prompt, response = _nonempty_str(row, "question"), _nonempty_str(row, "answer")
-    else:
-        raise ValueError("missing field: need 'messages', 'prompt'+'response' or 'question'+'answer'")
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    return canonical_row(row, fmt, columns)[1]
 
 
 # Reasons that carry the offending value or an index before any ':' -> one category each, so that the
 # manifest's tally has a bounded number of keys however many different bad values the data holds.
 _CATEGORIES = [
-    (re.compile(r"^messages\[\d+\]\.role is "), "messages[i].role not system/user/assistant"),
-    (re.compile(r"^messages\[\d+\]\.content is "), "messages[i].content not a string"),
-    (re.compile(r"^messages\[\d+\] is "), "messages[i] not an object"),
+    (re.compile(r"^(messages|prompt|completion)\[\d+\]\.role is "), r"\1[i].role not system/user/assistant/tool"),
+    (re.compile(r"^(messages|prompt|completion)\[\d+\]\.content is "), r"\1[i].content not a string"),
+    (re.compile(r"^(messages|prompt|completion|conversations)\[\d+\] is "), r"\1[i] not an object"),
+    (re.compile(r"^conversations\[\d+\]\.(from|value) is "), r"conversations[i].\1 not valid"),
     (re.compile(r"^field '(\w+)' is null"), r"field '\1' is null"),
     (re.compile(r"^field '(\w+)' is "), r"field '\1' not a string"),
     (re.compile(r"^invalid Unicode"), "invalid Unicode"),
@@ -394,7 +314,7 @@ _CATEGORIES = [
 def reason_category(reason: str) -> str:
     """The category of a rejection reason, for ``counts.rejected_by_reason``: the text before the first ``:``,
     with per-row values and message indices folded (``messages[3].role is 'robot', ...`` ->
-    ``messages[i].role not system/user/assistant``; ``field 'prompt' is int, ...`` -> ``field 'prompt' not a
+    ``messages[i].role not system/user/assistant/tool``; ``field 'prompt' is int, ...`` -> ``field 'prompt' not a
     string``). The full reason stays in ``rejected.jsonl``."""
     for pattern, category in _CATEGORIES:
         m = pattern.match(reason)
@@ -439,7 +359,7 @@ def rows_by_id(data_cfg, wanted: Sequence[str]) -> dict[str, tuple[Any, list[dic
         if isinstance(row, Rejection):
             continue
         try:
-            msgs = canonicalize(row)
+            msgs = canonicalize(row, data_cfg.format, data_cfg.columns)
         except ValueError:
             continue
         eid = example_id(msgs)

@@ -48,6 +48,14 @@ class DataOutput:
                 "held_out": d.eval.num_rows, "candidates": d.train.num_rows, "truncated": d.truncated,
                 "rejected_by_reason": self.reasons}
 
+    @property
+    def files(self) -> dict:
+        """The manifest's ``data_files``: per file read, ``{"rows": rows read, "formats": {format: rows},
+        "unused_fields": {field: rows where it was not used}}`` (:mod:`.formats`)."""
+        d = self.result
+        return {src: {"rows": n, "formats": d.formats.get(src, {}), "unused_fields": d.unused.get(src, {})}
+                for src, n in d.sources.items()}
+
 
 def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
     from ..model import check_model_files, load_tokenizer, resolve_model_path
@@ -83,6 +91,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
     """
     model_path, tok = _tokenizer(cfg)
     data = load_examples(cfg.data, tok)
+    _report_fields(data, cfg.data.unused_fields)
     if resume:
         same_as_before(run_dir / "examples.parquet", data.train, ["example_id", "n_tokens"])
         same_as_before(run_dir / "eval_examples.parquet", data.eval, ["example_id"])
@@ -100,12 +109,36 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
         f"selection, {data.eval.num_rows} held out, {len(data.rejected)} rejected" + (f" {reasons}" if reasons else ""),
         flush=True,
     )
+    if data.rejected:
+        print(f"[ray-cluster-ft] rejected rows and their reasons: {run_dir / 'rejected.jsonl'}", flush=True)
     eval_files = _eval_files(cfg, tok, run_dir)
     candidates = set(data.train.column("example_id").to_pylist())
     overlap = {path: len(candidates.intersection(res.train.column("example_id").to_pylist()))
                for path, res in eval_files.items()}
     _warn_eval_files(eval_files, overlap)
     return DataOutput(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files, overlap)
+
+
+def _report_fields(data: DataResult, policy: str) -> None:
+    """The formats per file on the console, and the unused text fields by ``data.unused_fields``: one warning
+    per file and field (``warn``), or a ``ConfigError`` naming every one (``error``), before anything is written.
+
+    Raises:
+        ConfigError: ``policy == "error"`` and some text field went unused.
+    """
+    for src, per in data.formats.items():
+        fmts = ", ".join(f"{f} ({n})" for f, n in sorted(per.items(), key=lambda kv: -kv[1]))
+        print(f"[ray-cluster-ft] {src}: format {fmts}", flush=True)
+    lines = [f"{src}: field {name!r} is not used by the row format in {n} row{'' if n == 1 else 's'}; to train "
+             f"on it: {data.hints[src][name]}"
+             for src, fields in data.unused.items() for name, n in fields.items()]
+    if not lines or policy == "ignore":
+        return
+    if policy == "error":
+        raise ConfigError("data.unused_fields is 'error' and text fields would not be trained on:\n  "
+                          + "\n  ".join(lines) + "\n(map them with data.columns, or set data.unused_fields: warn)")
+    for line in lines:
+        print(f"[ray-cluster-ft] warning: {line}", flush=True)
 
 
 def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
@@ -121,7 +154,8 @@ def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
     with open(claim(run_dir, "eval_rejected.jsonl"), "w", encoding="utf-8") as fh:
         for path in cfg.evaluation.paths:
             one = DataConfig(source="files", paths=[path], max_seq_len=d.max_seq_len, overlong=d.overlong,
-                             eval_fraction=0.0, max_eval=0, seed=d.seed)
+                             eval_fraction=0.0, max_eval=0, seed=d.seed, format=d.format, columns=d.columns,
+                             train_on=d.train_on, default_system_prompt=d.default_system_prompt)
             try:
                 out[path] = load_examples(one, tok)
             except FileNotFoundError as err:  # else it reads as a data.paths file
