@@ -49,10 +49,10 @@ PINNED_COLUMNS = {"clusters": None, "selection": ["example_id", "cluster", "reas
 # {"hash": 16 hex digits of everything but the floats, "floats": {column: fingerprint}}. selected.jsonl: the
 # same split over its rows' fields.
 FILES_FULL_PINNED = {
-    "examples": {"hash": "92414284528d065b", "floats": {}},
+    "examples": {"hash": "62679b8ffe22b39e", "floats": {}},
     "clusters": {"hash": "89e74a4c960fa814", "floats": {"distance": [102.0, 42.34088254, 42.34088254, 43.113882059]}},
     "centroids": {"hash": "62dd073a32ec8862", "floats": {"centroid": [256.0, -1.290704938, 26.139422747, -2.267376985]}},
-    "selection": {"hash": "230df72f62088992", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
+    "selection": {"hash": "27026fe617439319", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
     "plan": {"hash": "4f46b3000dd82345", "floats": {}},
 }
 FILES_SELECTED_PINNED = {

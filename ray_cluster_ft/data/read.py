@@ -31,6 +31,8 @@ __all__ = [
     "iter_demo_rows",
     "iter_file_rows",
     "iter_rows",
+    "expand_paths",
+    "count_rows",
     "canonicalize",
     "is_blank",
     "reason_category",
@@ -155,6 +157,9 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
             UTF-16/32 (a byte-order mark); the message names the file.
     """
     p = Path(path)
+    if is_datasets_folder(p):
+        yield from _iter_datasets_rows(p, limit)
+        return
     _require_file(p)
     src = str(p)
     name = p.name.lower()
@@ -162,8 +167,12 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
     if name.endswith(".parquet"):
         yield from _iter_parquet_rows(p, limit)
         return
+    if name.endswith((".csv", ".tsv")):
+        yield from _iter_csv_rows(p, limit)
+        return
     if not name.endswith((".jsonl", ".json", ".jsonl.gz", ".ndjson")):
-        raise ConfigError(f"unsupported data file type: {p} (use .jsonl, .ndjson, .jsonl.gz, .json or .parquet)")
+        raise ConfigError(f"unsupported data file type: {p} (use .jsonl, .ndjson, .jsonl.gz, .json, .parquet, .csv, "
+                          f".tsv or a datasets save_to_disk folder)")
     opener = gzip.open if name.endswith(".gz") else open
     try:
         with opener(p, "rb") as fh:
@@ -193,6 +202,97 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
     except (OSError, EOFError, gzip.BadGzipFile) as err:
         # A truncated or corrupt gzip stream is a broken file, not a bad row: there is no next line to read.
         raise ConfigError(f"cannot read data file {p}: {err}") from None
+
+
+def is_datasets_folder(p: Path) -> bool:
+    """Whether ``p`` is a folder written by Hugging Face ``datasets``' ``save_to_disk`` (a ``Dataset``: its
+    ``state.json``; a ``DatasetDict``: its ``dataset_dict.json``)."""
+    return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
+
+
+def _iter_datasets_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, Any]]:
+    """Rows of a ``save_to_disk`` folder (a ``DatasetDict``: its ``train`` split), 0-based positions.
+
+    Raises:
+        ConfigError: the ``datasets`` package is missing (the message names the extra), the folder cannot be
+            loaded, or a ``DatasetDict`` has no ``train`` split.
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"data path {p} is a Hugging Face datasets folder (save_to_disk); reading it needs the "
+                          f"'datasets' package: pip install 'ray-cluster-ft[datasets]'") from None
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as err:  # datasets raises several types for a damaged folder
+        raise ConfigError(f"cannot load datasets folder {p}: {err}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ConfigError(f"datasets folder {p} has splits {sorted(ds)} but no 'train' split to read")
+        ds = ds["train"]
+    n = len(ds) if limit is None else min(limit, len(ds))
+    for i in range(n):
+        yield str(p), i, ds[i]
+
+
+def _iter_csv_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, Any]]:
+    """Rows of a CSV (``.csv``) or tab-separated (``.tsv``) file with a header line, every value a string (an
+    empty cell is an empty string); the position is the 1-based line where the row starts.
+
+    Raises:
+        ConfigError: the file is not UTF-8 or not valid CSV (an unclosed quote, ...).
+    """
+    import csv
+
+    src = str(p)
+    try:
+        with open(p, encoding="utf-8-sig", newline="") as fh:
+            reader = csv.DictReader(fh, delimiter="\t" if p.name.lower().endswith(".tsv") else ",")
+            start = 2
+            for count, row in enumerate(reader):
+                if limit is not None and count >= limit:
+                    return
+                extra = row.pop(None, None)  # cells past the header: a broken row, not a field
+                if extra:
+                    yield src, start, Rejection(src, start, f"CSV row has {len(extra)} cells more than the header",
+                                                row)
+                else:
+                    yield src, start, row
+                start = reader.line_num + 1
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"data file {p} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+    except csv.Error as err:
+        raise ConfigError(f"cannot read CSV file {p}: {err}") from None
+
+
+def count_rows(path: str | Path) -> int:
+    """Rows of one data file without parsing them: non-blank lines of JSON Lines (gzip included), the length of
+    a ``.json`` array, a Parquet file's row count from its footer.
+
+    Raises:
+        ConfigError / FileNotFoundError: as :func:`iter_file_rows` for a file it cannot read.
+    """
+    p = Path(path)
+    if is_datasets_folder(p) or p.name.lower().endswith((".csv", ".tsv")):
+        return sum(1 for _ in iter_file_rows(p))
+    _require_file(p)
+    name = p.name.lower()
+    try:
+        if name.endswith(".parquet"):
+            return pq.ParquetFile(p).metadata.num_rows
+        if name.endswith(".json"):
+            array = _json_array(p)
+            if array is not None:
+                return len(array)
+        opener = gzip.open if name.endswith(".gz") else open
+        with opener(p, "rb") as fh:
+            return sum(1 for raw in fh if raw.strip())
+    except (OSError, EOFError, gzip.BadGzipFile) as err:
+        raise ConfigError(f"cannot read data file {p}: {err}") from None
+    except Exception as err:  # pyarrow raises several types for a corrupt footer
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"cannot read Parquet file {p}: {err}") from None
 
 
 def _require_file(p: Path) -> None:
@@ -308,6 +408,7 @@ _CATEGORIES = [
     (re.compile(r"^field '(\w+)' is null"), r"field '\1' is null"),
     (re.compile(r"^field '(\w+)' is "), r"field '\1' not a string"),
     (re.compile(r"^invalid Unicode"), "invalid Unicode"),
+    (re.compile(r"^(missing field '[^']+') \(the row has "), r"\1"),
 ]
 
 
@@ -337,9 +438,43 @@ def iter_rows(cfg: DataConfig) -> Iterator[tuple[str, int, Any]]:
     """
     if cfg.source == "demo":
         return iter_demo_rows(cfg.limit, cfg.seed)
-    for p in cfg.paths:
-        _require_file(Path(p))
-    return (r for p in cfg.paths for r in iter_file_rows(p, cfg.limit))
+    paths = expand_paths(cfg.paths)
+    for p in paths:
+        if not is_datasets_folder(Path(p)):
+            _require_file(Path(p))
+    return (r for p in paths for r in iter_file_rows(p, cfg.limit))
+
+
+_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".json", ".parquet", ".csv", ".tsv")
+_GLOB = frozenset("*?[")
+
+
+def expand_paths(paths: Sequence[str]) -> list[str]:
+    """``data.paths`` as files, in order: a glob (``shards/*.jsonl``, ``**`` recursive) becomes its matches and a
+    folder the data files directly inside it (by suffix: ``.jsonl``, ``.ndjson``, ``.jsonl.gz``, ``.json``,
+    ``.parquet``), both in sorted order; a file stays itself; a file named twice is read once.
+
+    Raises:
+        FileNotFoundError: a glob matches no file, or a folder holds no data file (the message names it).
+    """
+    import glob
+
+    out: list[str] = []
+    for p in paths:
+        if any(c in _GLOB for c in p) and not Path(p).exists():
+            found = sorted(f for f in glob.glob(p, recursive=True) if Path(f).is_file())
+            if not found:
+                raise FileNotFoundError(f"data.paths: the glob {p} matches no file")
+        elif is_datasets_folder(Path(p)):
+            found = [p]
+        elif Path(p).is_dir():
+            found = sorted(str(f) for f in Path(p).iterdir() if f.is_file() and f.name.lower().endswith(_SUFFIXES))
+            if not found:
+                raise FileNotFoundError(f"data.paths: the folder {p} holds no data file ({', '.join(_SUFFIXES)})")
+        else:
+            found = [p]
+        out += [f for f in found if f not in out]
+    return out
 
 
 def rows_by_id(data_cfg, wanted: Sequence[str]) -> dict[str, tuple[Any, list[dict[str, str]]]]:

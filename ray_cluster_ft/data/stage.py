@@ -13,7 +13,7 @@ from ..rundir import claim, same_as_before
 from .examples import DataResult, load_examples
 from .read import reason_category
 
-__all__ = ["DataOutput", "run"]
+__all__ = ["DataOutput", "check", "run"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,60 @@ class DataOutput:
         d = self.result
         return {src: {"rows": n, "formats": d.formats.get(src, {}), "unused_fields": d.unused.get(src, {})}
                 for src, n in d.sources.items()}
+
+
+def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None) -> dict:
+    """``ray-cluster-ft check``'s look at the data, with the tokenizer only (no model weights): every path
+    stat-ed, each file's rows counted, its first ``sample_rows`` rows read, canonicalised and tokenized exactly as
+    the data stage does; the formats and unused fields printed to ``out`` as a run prints them, then
+    ``n_examples`` decoded examples with the trained part between ``[[`` and ``]]``.
+
+    Returns:
+        ``{"files": {path: {"rows", "sampled", "rejected", "formats", "unused_fields"}}, "examples": [str]}``.
+
+    Raises:
+        FileNotFoundError: a data file is missing (the message ``run`` gives).
+        ConfigError: a file is unreadable as a whole or of an unsupported type, ``data.unused_fields: error``
+            with an unused field, or no row of a file's sample is accepted (the reasons counted).
+    """
+    from ..model import load_tokenizer_only
+    from .read import count_rows
+    from .tokenize import marked_text
+
+    d = cfg.data
+    try:
+        tok = load_tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
+    except (OSError, ValueError) as err:
+        if isinstance(err, (FileNotFoundError, ConfigError)):
+            raise
+        raise ConfigError(f"model.path {cfg.model.path!r}: cannot load its tokenizer: {err}") from None
+    sample = load_examples(d.model_copy(update={"limit": min(d.limit or sample_rows, sample_rows),
+                                                "eval_fraction": 0.0}), tok)
+    _report_fields(sample, d.unused_fields, out)
+    files = {}
+    for src, n in sample.sources.items():
+        reasons: dict[str, int] = {}
+        for rej in sample.rejected:
+            if rej.source == src:
+                reasons[reason_category(rej.reason)] = reasons.get(reason_category(rej.reason), 0) + 1
+        if sum(reasons.values()) == n:
+            raise ConfigError(f"data file {src}: none of its first {n} rows is accepted (rejected: {reasons}); "
+                              f"see docs/data.md for the formats and data.columns")
+        files[src] = {"rows": count_rows(src) if d.source == "files" else None, "sampled": n,
+                      "rejected": sum(reasons.values()), "formats": sample.formats.get(src, {}),
+                      "unused_fields": sample.unused.get(src, {})}
+        print(f"[ray-cluster-ft] check: {src}: {files[src]['rows'] if files[src]['rows'] is not None else 'demo'} "
+              f"rows; of the first {n}: {n - sum(reasons.values())} accepted, {sum(reasons.values())} rejected"
+              + (f" {reasons}" if reasons else ""), file=out, flush=True)
+    if not sample.sources:
+        raise ConfigError("no accepted training examples: the data files hold no rows")
+    t = sample.train.slice(0, n_examples)
+    examples = [marked_text(tok, i, lab) for i, lab in zip(t.column("input_ids").to_pylist(),
+                                                            t.column("labels").to_pylist())]
+    for k, ex in enumerate(examples, 1):
+        print(f"[ray-cluster-ft] check: example {k} as trained (masked text as is, trained text in [[ ]]):\n{ex}",
+              file=out, flush=True)
+    return {"files": files, "examples": examples}
 
 
 def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
@@ -119,7 +173,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
     return DataOutput(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files, overlap)
 
 
-def _report_fields(data: DataResult, policy: str) -> None:
+def _report_fields(data: DataResult, policy: str, out=None) -> None:
     """The formats per file on the console, and the unused text fields by ``data.unused_fields``: one warning
     per file and field (``warn``), or a ``ConfigError`` naming every one (``error``), before anything is written.
 
@@ -128,7 +182,7 @@ def _report_fields(data: DataResult, policy: str) -> None:
     """
     for src, per in data.formats.items():
         fmts = ", ".join(f"{f} ({n})" for f, n in sorted(per.items(), key=lambda kv: -kv[1]))
-        print(f"[ray-cluster-ft] {src}: format {fmts}", flush=True)
+        print(f"[ray-cluster-ft] {src}: format {fmts}", file=out, flush=True)
     lines = [f"{src}: field {name!r} is not used by the row format in {n} row{'' if n == 1 else 's'}; to train "
              f"on it: {data.hints[src][name]}"
              for src, fields in data.unused.items() for name, n in fields.items()]
@@ -138,7 +192,7 @@ def _report_fields(data: DataResult, policy: str) -> None:
         raise ConfigError("data.unused_fields is 'error' and text fields would not be trained on:\n  "
                           + "\n  ".join(lines) + "\n(map them with data.columns, or set data.unused_fields: warn)")
     for line in lines:
-        print(f"[ray-cluster-ft] warning: {line}", flush=True)
+        print(f"[ray-cluster-ft] warning: {line}", file=out, flush=True)
 
 
 def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:

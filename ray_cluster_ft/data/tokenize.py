@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..config import ConfigError
 from .formats import is_blank
 
-__all__ = ["TRAIN_ON", "render_chat", "tokenize_rows", "tokenize_guarded", "trained_turns"]
+__all__ = ["TRAIN_ON", "marked_text", "render_chat", "tokenize_rows", "tokenize_guarded", "trained_turns"]
 
 TRAIN_ON = ("all_assistant_turns", "last_assistant_turn")
 _SENTINEL = "\u2063ray-cluster-ft system sentinel\u2063"
@@ -188,3 +188,21 @@ def tokenize_guarded(messages, tokenizer, max_seq_len: int, overlong: str, **kw)
             except Exception as err:  # noqa: BLE001
                 out.append(f"tokenizer error: {type(err).__name__}: {str(err)[:200]}")
         return out
+
+
+def marked_text(tokenizer, input_ids, labels, open_mark: str = "[[", close_mark: str = "]]") -> str:
+    """One example decoded with its trained tokens marked: masked text (labels -100) as it is, every run of trained
+    tokens between ``open_mark`` and ``close_mark``; what ``check`` and ``report.md`` show.
+
+    Args:
+        tokenizer: the tokenizer that made ``input_ids``.
+        input_ids, labels: int sequences of one length (an ``examples.parquet`` row).
+    """
+    ids, labs = list(input_ids), list(labels)
+    out, start = [], 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or (labs[t] == -100) != (labs[start] == -100):
+            text = tokenizer.decode(ids[start:t])
+            out.append(text if labs[start] == -100 else open_mark + text + close_mark)
+            start = t
+    return "".join(out)

@@ -193,9 +193,9 @@ def test_unreadable_files_raise_naming_the_file(tmp_path, demo_tokenizer):
     gz.write_bytes(gzip.compress(json.dumps(GOOD).encode() * 50)[:40])  # truncated stream
     with pytest.raises(ValueError, match=f"cannot read data file {gz}"):
         list(iter_file_rows(gz))
-    other = tmp_path / "rows.csv"
+    other = tmp_path / "rows.xlsx"
     other.write_text("prompt,response\nq,r\n")
-    with pytest.raises(ValueError, match="unsupported data file type: .*rows.csv"):
+    with pytest.raises(ValueError, match="unsupported data file type: .*rows.xlsx"):
         _load([other], demo_tokenizer)
     with pytest.raises(FileNotFoundError, match="data file not found: .*nope.jsonl"):
         _load([tmp_path / "nope.jsonl"], demo_tokenizer)
@@ -204,7 +204,7 @@ def test_unreadable_files_raise_naming_the_file(tmp_path, demo_tokenizer):
 def test_file_level_problems_name_the_file(tmp_path, demo_tokenizer):
     a_dir = tmp_path / "adir"
     a_dir.mkdir()
-    with pytest.raises(FileNotFoundError, match="data path is a directory, not a file: .*adir"):
+    with pytest.raises(FileNotFoundError, match="data.paths: the folder .*adir holds no data file"):
         _load([a_dir], demo_tokenizer)
     utf16 = tmp_path / "utf16.jsonl"
     utf16.write_bytes((json.dumps(GOOD) + "\n").encode("utf-16"))  # with its byte-order mark
