@@ -20,6 +20,12 @@ pointers; float columns compared to a tolerance, since their last bits depend on
 command's ``selected.jsonl`` and ``selected.parquet``. The parquet metadata left out (``pandas``: index bookkeeping) says
 nothing about the rows. The demo spec is pinned through ``select``: the command is ``run --plan-only`` (the same
 ``run_pipeline(plan_only=True)`` call) followed by the export, so one real-model run pins both.
+
+Issue 28 re-pinned ``examples``, ``selection``, ``selected.jsonl`` and ``selected.parquet`` on purpose: each row
+now carries ``source_file`` and ``source_line`` (where it was read), two columns (fields) appended to each. Checked
+for both specs before re-pinning: with those two columns dropped, each of the four hashes to its old pin exactly,
+and ``clusters``, ``centroids`` and ``plan`` (and the c56fe9a-style pins) did not change at all; the weight
+fingerprints are unchanged.
 """
 
 from __future__ import annotations
