@@ -69,9 +69,11 @@ class DataConfig(Section):
                             "and ``source`` is not; ``demo`` with ``paths`` is refused")
     paths: list[str] = Field(
         default_factory=list,
-        description="training data files: JSON Lines (``.jsonl``, ``.ndjson``, ``.jsonl.gz``), ``.json`` (one array "
-                    "of rows, or JSON Lines) and Parquet; rows in any format of ``format`` (docs/data.md); ``~`` "
-                    "is expanded")
+        description="training data: files, globs (``shards/*.jsonl``, ``**`` recursive) and folders (the data files "
+                    "directly inside), in sorted order; JSON Lines (``.jsonl``, ``.ndjson``, ``.jsonl.gz``), "
+                    "``.json`` (one array of rows, or JSON Lines), Parquet, CSV/TSV (every value a string) and "
+                    "``datasets`` ``save_to_disk`` folders (the ``datasets`` extra); rows in any format of "
+                    "``format`` (docs/data.md); ``~`` is expanded")
     max_seq_len: int = Field(256, ge=8, description="tokens per example, prompt + response (chat template included)")
     overlong: Literal["drop", "truncate"] = Field(
         "drop", description="an example over ``max_seq_len``: ``drop`` rejects it (counted in ``rejected.jsonl``); "
