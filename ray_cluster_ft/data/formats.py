@@ -59,6 +59,9 @@ TEXT_FIELDS = frozenset({
 _META = frozenset({"source", "domain", "id", "uuid", "url", "task_id", "split", "label", "lang", "language"})
 
 _ROLES = ("system", "user", "assistant", "tool")
+# The fields the formats read (what data.columns maps onto): a row's other fields are what a hint names.
+_FIELDS = frozenset({"messages", "conversations", "system", "history", "instruction", "input", "output", "prompt",
+                     "completion", "response", "question", "context", "answer"})
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "system": "system", "tool": "tool", "observation": "tool",
                    "function_call": "assistant"}
@@ -355,7 +358,7 @@ def canonical_row(row: Any, fmt: str = "auto", columns: Mapping[str, Any] | None
         msg = str(err)
         if msg.startswith("missing field '") and isinstance(mapped, dict):
             # Name what the row does have, so the fix (a data.columns line) is one look away.
-            others = [k for k in mapped if k not in _META and _texts(mapped[k])]
+            others = [k for k in mapped if k not in _META and k not in _FIELDS and _texts(mapped[k])]
             if others:
                 raise ValueError(f"{msg} (the row has {', '.join(others)}; map them with data.columns)") from None
         raise

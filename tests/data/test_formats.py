@@ -114,8 +114,8 @@ def test_columns_map_and_join_fields(demo_tokenizer):
     fmt, unused, full, trained = _decode(demo_tokenizer, row, columns=cols)
     assert (fmt, unused, trained) == ("prompt_response", [], "Mostly, yes.<|im_end|>\n")
     assert full == SYS + _u("Is it safe?\n\nStudy: it was safe in 90% of cases.") + _a("Mostly, yes.")
-    with pytest.raises(ValueError, match=r"missing field 'answer' \(the row has question, context, long_answer, "
-                                          r"final_decision; map them with data.columns\)$"):
+    with pytest.raises(ValueError, match=r"missing field 'answer' \(the row has long_answer, final_decision; map "
+                                          r"them with data.columns\)$"):
         canonical_row(row)
 
 
@@ -157,7 +157,11 @@ def test_tool_messages_are_rejected_where_the_template_has_no_tools(demo_tokeniz
 def test_config_format_names_match_the_formats():
     from typing import get_args
 
+    from ray_cluster_ft.config import COLUMN_TARGETS
+    from ray_cluster_ft.data.formats import _FIELDS
+
     assert get_args(DataConfig.model_fields["format"].annotation) == ("auto", *FORMATS)
+    assert set(COLUMN_TARGETS) == _FIELDS
     with pytest.raises(ValueError, match="unknown target field 'answr'"):
         DataConfig(columns={"answr": "x"})
 
@@ -197,3 +201,30 @@ def test_unused_fields_error_stops_the_data_stage(tmp_path, demo_tokenizer, caps
     assert capsys.readouterr().out.count("warning: ") == 1
     _report_fields(res, "ignore")
     assert "warning" not in capsys.readouterr().out
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}<tool_call>{{ c['function']['name'] }}"
+    "({{ c['function']['arguments'] }})</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_calls_render_through_a_template_with_tools(demo_tokenizer):
+    import copy
+
+    tok = copy.deepcopy(demo_tokenizer)
+    tok.chat_template = TOOL_TEMPLATE  # a ChatML template that renders tool calls
+    row = {"conversations": [{"from": "human", "value": "Weather in Oslo?"},
+                             {"from": "function_call", "value": '{"name": "weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'},
+                             {"from": "observation", "value": "rain, 4 C"},
+                             {"from": "gpt", "value": "Rainy and 4 C."}]}
+    fmt, msgs, _ = canonical_row(row)
+    ids, labels, _ = tokenize_rows([msgs], tok, 512)[0]
+    assert fmt == "sharegpt"
+    assert tok.decode(ids) == ("<|im_start|>user\nWeather in Oslo?<|im_end|>\n<|im_start|>assistant\n"
+                               '<tool_call>weather({"city": "Oslo"})</tool_call><|im_end|>\n'
+                               "<|im_start|>tool\nrain, 4 C<|im_end|>\n<|im_start|>assistant\nRainy and 4 C.<|im_end|>\n")
+    # both assistant turns are trained, the tool call included; the tool's result is context
+    assert tok.decode([i for i, lab in zip(ids, labels) if lab != -100]) == (
+        '<tool_call>weather({"city": "Oslo"})</tool_call><|im_end|>\nRainy and 4 C.<|im_end|>\n')
