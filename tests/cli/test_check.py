@@ -57,3 +57,19 @@ def test_check_fails_fast_on_data_run_would_refuse(tmp_path, tiny_model_dir, cap
     assert main(["check", str(spec)]) == 2
     assert time.perf_counter() - start < 10
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_run_with_unused_fields_error_stops_before_ray(tmp_path, tiny_model_dir, capsys):
+    import ray
+
+    (tmp_path / "pr.jsonl").write_text('{"prompt": "Summarize.", "response": "Short.", "input": "The paragraph."}\n')
+    spec = _spec(tmp_path, tiny_model_dir, [tmp_path / "pr.jsonl"], unused_fields="error")
+    assert main(["run", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'pr.jsonl'}: field 'input' is not used by the row format in 1 row" in err
+    assert not ray.is_initialized() and not (tmp_path / "run" / "examples.parquet").exists()
+    spec = _spec(tmp_path, tiny_model_dir, [tmp_path / "pr.jsonl"])  # warn: one line naming file and field
+    assert main(["check", str(spec)]) == 0
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning:" in ln]
+    assert warned == [f"[ray-cluster-ft] warning: {tmp_path / 'pr.jsonl'}: field 'input' is not used by the row "
+                      "format in 1 row; to train on it: data.columns: {prompt: [prompt, input]}"]
