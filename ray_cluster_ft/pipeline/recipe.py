@@ -217,10 +217,19 @@ def _evaluate_epochs(cfg, run_dir: Path, final, after, scoring: dict) -> list[di
 
 
 def _examples_shown(ds, n: int = 3) -> list[str]:
-    """The first ``n`` candidates decoded with their trained part marked, for the report."""
+    """``n`` candidates decoded with their trained part marked, for the report: the first of each file, then the
+    next ones in order."""
+    import pyarrow as pa
+
     from ..data import marked_text
 
-    t = ds.result.train.slice(0, n)
+    files = ds.result.train.column("source_file").to_pylist()
+    first: dict[str, int] = {}
+    for i, f in enumerate(files):
+        first.setdefault(f, i)
+    picks = list(first.values())[:n]
+    picks += [i for i in range(len(files)) if i not in picks][:n - len(picks)]
+    t = ds.result.train.take(pa.array(sorted(picks), pa.int64()))
     return [marked_text(ds.tokenizer, i, lab) for i, lab in zip(t.column("input_ids").to_pylist(),
                                                                    t.column("labels").to_pylist())]
 
