@@ -66,13 +66,13 @@ FILES_SELECTED_PINNED = {
     "selected.parquet": {"hash": "44ef2a3d3a55483b", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
 }
 DEMO_FULL_PINNED = {
-    "examples": {"hash": "504fa7779358404f", "floats": {}},
+    "examples": {"hash": "527cf91b285b0a84", "floats": {}},
     "clusters": {"hash": "2f095f31d1611632", "floats": {"distance": [278.0, 97.78961122, 97.78961122, 101.905561482]}},
     "centroids": {"hash": "b4992cf76b3d19f2", "floats": {"centroid": [1280.0, -1.160033746, 63.895792676, -0.450451279]}},
-    "selection": {"hash": "db85d7208fb449eb", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
+    "selection": {"hash": "b5a5d4ac7c13bfa4", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
     "plan": {"hash": "b09cde40baa7b5d4", "floats": {}},
-    "selected.jsonl": {"hash": "921c3d4defb34a92", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
-    "selected.parquet": {"hash": "6baa1f199537b812", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
+    "selected.jsonl": {"hash": "99ed41fa055cec39", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
+    "selected.parquet": {"hash": "7cb53300cb166647", "floats": {"weight": [80.0, 80.0, 80.0, 81.099299199]}},
 }
 # The c56fe9a clusters pins (content_hash: float bits included) as this project's 2-core AMD EPYC machines
 # compute them (AVX2, no AVX-512): the float32 distance column differs in its last bits from the machine the pins
