@@ -62,8 +62,8 @@ FILES_FULL_PINNED = {
     "plan": {"hash": "4f46b3000dd82345", "floats": {}},
 }
 FILES_SELECTED_PINNED = {
-    "selected.jsonl": {"hash": "410f41d255d0a8e9", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
-    "selected.parquet": {"hash": "44ef2a3d3a55483b", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
+    "selected.jsonl": {"hash": "5398a5e5c51db5c1", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
+    "selected.parquet": {"hash": "0b7909f99cee8685", "floats": {"weight": [40.0, 40.0, 40.0, 41.557920695]}},
 }
 DEMO_FULL_PINNED = {
     "examples": {"hash": "527cf91b285b0a84", "floats": {}},
