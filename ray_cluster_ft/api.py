@@ -207,12 +207,13 @@ def _tokenize(rows: Sequence[Any], tokenizer, data: DataConfig, chunk: int = 204
     msgs = []
     for i, row in enumerate(rows):
         try:
-            msgs.append(canonicalize(row))
+            msgs.append(canonicalize(row, data.format, data.columns))
         except ValueError as err:
             raise ValueError(f"compute_features: row {i}: {err}") from None
     toks: list = []
     for lo in range(0, len(msgs), chunk):  # tokenizer memory stays bounded, as in the data stage
-        toks += tokenize_rows(msgs[lo:lo + chunk], tokenizer, data.max_seq_len, data.overlong)
+        toks += tokenize_rows(msgs[lo:lo + chunk], tokenizer, data.max_seq_len, data.overlong,
+                              train_on=data.train_on, system_prompt=data.default_system_prompt)
     bad = next((i for i, t in enumerate(toks) if isinstance(t, str)), None)
     if bad is not None:
         hint = "" if "max length" not in toks[bad] else (
@@ -336,14 +337,14 @@ def _allocate(cfg: JobConfig, ids, labels, n_tokens, sel) -> tuple[pd.DataFrame,
     return res.plan, table.to_pandas(), res.pack_tokens
 
 
-SELECTED_COLUMNS = ("example_id", "cluster", "weight", "rank", "step")
+SELECTED_COLUMNS = ("example_id", "cluster", "weight", "rank", "step", "source_file", "source_line")
 """The columns :func:`write_selected` adds to each row's own fields (they replace fields of the same name)."""
 
 
 def write_selected(cfg: JobConfig, run_dir: str | Path) -> tuple[Path, Path]:
     """The ``select`` command's export: every row of ``selection.parquet`` as it was read from the sources
-    (its original fields), plus ``example_id``, ``cluster``, ``weight`` and the ``rank`` and ``step`` of its
-    first appearance in ``plan.parquet``, written to ``selected.jsonl`` and ``selected.parquet`` (in the order
+    (its original fields), plus ``example_id``, ``cluster``, ``weight``, the ``rank`` and ``step`` of its
+    first appearance in ``plan.parquet``, and ``source_file`` / ``source_line`` (where it was read), written to ``selected.jsonl`` and ``selected.parquet`` (in the order
     of ``selection.parquet``), both claimed in the run directory's ledger first.
 
     Parquet columns are the union of the rows' fields (missing ones null); a field whose values mix types
@@ -380,10 +381,13 @@ def _selected_records(cfg: JobConfig, run_dir: Path) -> list[dict]:
     first = plan.sort_values(["step", "rank", "micro_index"], kind="stable").drop_duplicates("example_id")
     first = first.set_index("example_id")
     rows = _original_rows(cfg.data, set(sel["example_id"]))
+    where = sel.set_index("example_id") if "source_file" in sel.columns else None
     out = []
     for eid, cluster, weight in zip(sel["example_id"], sel["cluster"], sel["weight"]):
         extra = {"example_id": eid, "cluster": int(cluster), "weight": float(weight),
                  "rank": int(first.at[eid, "rank"]), "step": int(first.at[eid, "step"])}
+        if where is not None:  # selection.parquet of a run before issue 28 has no origins
+            extra.update(source_file=str(where.at[eid, "source_file"]), source_line=int(where.at[eid, "source_line"]))
         out.append({**{k: v for k, v in rows[eid].items() if k not in extra}, **extra})
     return out
 

@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the built-in demo (SmolLM2-135M on HumanEval + MMLU medical)")
     demo.add_argument("--output", help="run directory (default runs/demo)")
     demo.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
-    check = sub.add_parser("check", help="validate a job spec and print it with defaults filled in")
+    check = sub.add_parser("check", help="validate a job spec and print it with defaults filled in (stdout); read "
+                                         "the data with the tokenizer only: files, formats, row counts, unused "
+                                         "fields and two decoded examples (stderr)")
     check.add_argument("config", help="job spec (YAML) to validate")
     return p
 
@@ -88,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                 from .train import build_deepspeed_config
 
                 build_deepspeed_config(cfg.train)
+            from .data import check
+
+            check(cfg, out=sys.stderr)  # stdout stays the spec as JSON
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
             return 0
         resume = getattr(args, "resume", None)

@@ -53,6 +53,11 @@ __all__ = [
     "PRESETS",
 ]
 
+COLUMN_TARGETS = ("messages", "conversations", "system", "history", "instruction", "input", "output", "prompt",
+                  "completion", "response", "question", "context", "answer")
+"""The field names of the row formats that ``data.columns`` may map onto (docs/data.md)."""
+
+
 class DataConfig(Section):
     """Where training rows come from and how they are tokenized (with the model's tokenizer and chat template;
     the loss is on response tokens only). Every row read ends as an accepted example or one line of
@@ -64,9 +69,11 @@ class DataConfig(Section):
                             "and ``source`` is not; ``demo`` with ``paths`` is refused")
     paths: list[str] = Field(
         default_factory=list,
-        description="training data files: JSON Lines (``.jsonl``, ``.ndjson``, ``.jsonl.gz``), ``.json`` (one array "
-                    "of rows, or JSON Lines) and Parquet; rows with chat ``messages``, ``prompt`` + ``response``, or "
-                    "``question`` + ``answer``; ``~`` is expanded")
+        description="training data: files, globs (``shards/*.jsonl``, ``**`` recursive) and folders (the data files "
+                    "directly inside), in sorted order; JSON Lines (``.jsonl``, ``.ndjson``, ``.jsonl.gz``), "
+                    "``.json`` (one array of rows, or JSON Lines), Parquet, CSV/TSV (every value a string) and "
+                    "``datasets`` ``save_to_disk`` folders (the ``datasets`` extra); rows in any format of "
+                    "``format`` (docs/data.md); ``~`` is expanded")
     max_seq_len: int = Field(256, ge=8, description="tokens per example, prompt + response (chat template included)")
     overlong: Literal["drop", "truncate"] = Field(
         "drop", description="an example over ``max_seq_len``: ``drop`` rejects it (counted in ``rejected.jsonl``); "
@@ -80,6 +87,40 @@ class DataConfig(Section):
         None, ge=1, description="read at most this many rows per source (a file's first rows; a seeded sample of "
                                 "each demo source); null = every row")
     seed: int = seed_field("held-out split and demo sample seed")
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "prompt_response",
+                    "question_answer"] = Field(
+        "auto", description="the rows' format (docs/data.md): ``auto`` tells each row's format by its fields; a "
+                            "name forces it for every file (a row without its fields is rejected)")
+    columns: dict[str, str | list[str]] = Field(
+        default_factory=dict,
+        description="the files' own field names mapped onto a format's, e.g. ``{prompt: [question, context], "
+                    "response: long_answer}``; a list of fields is joined with a blank line in its order, absent "
+                    "or empty ones skipped. Targets: " + ", ".join(COLUMN_TARGETS))
+    unused_fields: Literal["warn", "error", "ignore"] = Field(
+        "warn", description="a text field that the row's format does not use (and whose text is not trained "
+                            "anyway): ``warn`` prints it once per file and field with the ``data.columns`` line "
+                            "that would use it and lists it in manifest.json; ``error`` refuses the run (exit 2, "
+                            "before Ray); ``ignore``")
+    train_on: Literal["all_assistant_turns", "last_assistant_turn"] = Field(
+        "all_assistant_turns", description="which assistant turns of a multi-turn chat carry the loss: every one "
+                                           "(as TRL, axolotl and LLaMA-Factory do) or the last only; the rest "
+                                           "of the chat is context (labels -100)")
+    default_system_prompt: str | None = Field(
+        None, description="the system message of a row without one: null keeps the chat template's own default "
+                          "(the demo model's injects 'You are a helpful AI assistant named SmolLM, trained by "
+                          "Hugging Face'); a text replaces it; an empty string removes it")
+
+    @field_validator("columns")
+    @classmethod
+    def _known_targets(cls, v: dict) -> dict:
+        for target, src in v.items():
+            if target not in COLUMN_TARGETS:
+                raise ValueError(f"data.columns: unknown target field {target!r}; use one of "
+                                 f"{', '.join(COLUMN_TARGETS)}")
+            names = [src] if isinstance(src, str) else src
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"data.columns.{target}: name one field or a non-empty list of fields")
+        return v
 
     @model_validator(mode="before")
     @classmethod

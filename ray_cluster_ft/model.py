@@ -25,6 +25,7 @@ from .config import ConfigError, JobConfig
 
 __all__ = [
     "DEMO_MODEL",
+    "load_tokenizer_only",
     "cache_dir",
     "package_dir",
     "model_cache_dir",
@@ -383,6 +384,27 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
             tok.pad_token = tok.eos_token
         return tok
     return load_local_tokenizer(resolved, trust_remote_code)
+
+
+def load_tokenizer_only(path: str, trust_remote_code: bool = False, cache: Path | None = None):
+    """The tokenizer of ``model.path`` without reading any weights (what ``ray-cluster-ft check`` uses): the
+    demo's from its GGUF file when the model is not converted yet (the conversion would load the weights), a
+    converted demo or local folder's tokenizer files, or a hub id's tokenizer (through the Hugging Face cache).
+
+    Raises:
+        FileNotFoundError: as :func:`resolve_model_path` for a missing folder or a malformed id.
+    """
+    if path == DEMO_MODEL:
+        done = (Path(cache) if cache is not None else cache_dir()) / _DEMO_DIRNAME
+        if not (done / ".complete").exists():
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(package_dir(_GGUF_PACKAGE), gguf_file=_GGUF_FILE)
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            return tok
+        return load_local_tokenizer(str(done), trust_remote_code)
+    return load_tokenizer(path, trust_remote_code)
 
 
 def load_local_model(path: str, trust_remote_code: bool = False, dtype=None, attn_implementation: str | None = None,

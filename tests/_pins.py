@@ -30,6 +30,16 @@ whole steps of W x B x G: so ``selection.parquet`` (the rows the plan trains) ga
 rest unchanged: 41 rows instead of 40 for the files spec, 86 instead of 80 for the demo (the padded plan of
 those 86 rows equals the old pinned demo plan frame; its figures are checked in tests/allocate/test_sized.py); the weights (mean 1
 over the rows listed) changed with them. The demo pins were taken from a ``select`` run of the demo spec.
+
+Issue 28 re-pinned ``examples``, ``selection``, ``selected.jsonl`` and ``selected.parquet`` on purpose: each row
+now carries ``source_file`` and ``source_line`` (where it was read), two columns (fields) appended to each. Checked
+for both specs before re-pinning: with those two columns dropped, each of the four hashes to its old pin exactly,
+and ``clusters``, ``centroids`` and ``plan`` (and the c56fe9a-style pins) did not change at all; the weight
+fingerprints are unchanged.
+
+Both re-pins meet in the merged code: its pins were taken from ``select`` runs of both specs; ``examples`` hashes as
+issue 28's pin, ``clusters``, ``centroids`` and ``plan`` as issue 31's, and ``selection`` and the exports carry
+issue 31's rows with issue 28's two columns.
 """
 
 from __future__ import annotations
@@ -59,7 +69,7 @@ PINNED_COLUMNS = {"clusters": None, "selection": ["example_id", "cluster", "reas
 # {"hash": 16 hex digits of everything but the floats, "floats": {column: fingerprint}}. selected.jsonl: the
 # same split over its rows' fields.
 FILES_FULL_PINNED = {
-    "examples": {"hash": "92414284528d065b", "floats": {}},
+    "examples": {"hash": "62679b8ffe22b39e", "floats": {}},
     "clusters": {"hash": "89e74a4c960fa814", "floats": {"distance": [102.0, 42.34088254, 42.34088254, 43.113882059]}},
     "centroids": {"hash": "62dd073a32ec8862", "floats": {"centroid": [256.0, -1.290704938, 26.139422747, -2.267376985]}},
     "selection": {"hash": "6298f6541543a216", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
@@ -70,7 +80,7 @@ FILES_SELECTED_PINNED = {
     "selected.parquet": {"hash": "5879da7132114fd6", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
 }
 DEMO_FULL_PINNED = {
-    "examples": {"hash": "504fa7779358404f", "floats": {}},
+    "examples": {"hash": "527cf91b285b0a84", "floats": {}},
     "clusters": {"hash": "2f095f31d1611632", "floats": {"distance": [278.0, 97.78961122, 97.78961122, 101.905561482]}},
     "centroids": {"hash": "b4992cf76b3d19f2", "floats": {"centroid": [1280.0, -1.160033746, 63.895792676, -0.450451279]}},
     "selection": {"hash": "32f23b08ed1fbe9b", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},

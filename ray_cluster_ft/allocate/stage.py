@@ -80,8 +80,20 @@ def plan_selection(cfg, example_ids: np.ndarray, labels: np.ndarray, n_tokens: n
     return res, table
 
 
+def _with_origins(selection, origins):
+    """``selection`` with ``source_file`` and ``source_line`` of each row taken from ``origins`` by id."""
+    import pyarrow as pa
+
+    where = {e: i for i, e in enumerate(origins.column("example_id").to_pylist())}
+    taken = origins.take(pa.array([where[e] for e in selection.column("example_id").to_pylist()], pa.int64()))
+    for name in ("source_file", "source_line"):
+        selection = selection.append_column(name, taken.column(name))
+    return selection
+
+
 def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_tokens: np.ndarray,
-        selected: np.ndarray, reasons: list, expected_plan_hash: str | None = None) -> AllocateOutput:
+        selected: np.ndarray, reasons: list, expected_plan_hash: str | None = None,
+        origins=None) -> AllocateOutput:
     """Plan the selected candidates with ``allocation.strategy`` and write the stage's artifacts.
 
     ``selection.parquet`` (``example_id``, ``cluster`` int32, ``reason``) lists the selected rows the plan
@@ -96,6 +108,9 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
             n_tokens: int ``(N,)``.
         selected: int ``(S,)`` indices of the selected candidates; reasons: ``S`` strings, why each was picked.
         expected_plan_hash: on ``--resume``, the stopped run's :func:`plan_hash`; the plan must equal it.
+        origins: a ``pyarrow.Table`` with ``example_id``, ``source_file`` and ``source_line`` for (at least) every
+            candidate (the data stage's ``examples.parquet`` columns); those two columns are then appended to
+            ``selection.parquet``, so a selected row can be found in its file.
 
     Returns:
         :class:`AllocateOutput`.
@@ -113,7 +128,7 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, labels: np.ndarray, n_to
         raise ConfigError(f"--resume: the plan computed now differs from the one in {run_dir / 'plan.parquet'}; the "
                           f"data, the config or a package changed. Start a fresh run directory.")
     plan.to_parquet(claim(run_dir, "plan.parquet", "selection.parquet"), index=False)
-    pq.write_table(selection, run_dir / "selection.parquet")
+    pq.write_table(selection if origins is None else _with_origins(selection, origins), run_dir / "selection.parquet")
     cap = res.pack_tokens
     metrics = {cfg.allocation.strategy: plan_metrics(plan, W, cap)}
     baseline = None

@@ -8,7 +8,8 @@ writes ``examples.parquet``, ``eval_examples.parquet`` and ``rejected.jsonl``).
 from .collate import IGNORE_INDEX, collate
 from .examples import DataResult, EXAMPLE_SCHEMA, load_examples
 from .read import canonicalize, example_id
-from .stage import DataOutput, run
+from .stage import DataOutput, check, run
+from .tokenize import marked_text
 
 __all__ = [
     "DataOutput",
@@ -16,8 +17,10 @@ __all__ = [
     "EXAMPLE_SCHEMA",
     "IGNORE_INDEX",
     "canonicalize",
+    "check",
     "collate",
     "example_id",
     "load_examples",
+    "marked_text",
     "run",
 ]

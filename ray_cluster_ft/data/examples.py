@@ -17,14 +17,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..config import DataConfig
-from .read import (
-    Rejection,
-    hash_order,
-    canonicalize,
-    example_id,
-    is_blank,
-    iter_rows,
-)
+from .formats import canonical_row, columns_hint
+from .read import Rejection, example_id, hash_order, iter_rows
+from .tokenize import tokenize_guarded, tokenize_rows
 
 __all__ = [
     "EXAMPLE_SCHEMA",
@@ -42,8 +37,13 @@ EXAMPLE_SCHEMA = pa.schema(
         ("input_ids", pa.list_(pa.int32())),
         ("labels", pa.list_(pa.int32())),
         ("n_tokens", pa.int32()),
+        ("source_file", pa.string()),
+        ("source_line", pa.int64()),
     ]
 )
+"""``source_file`` is the file the row was read from (the demo source's name for the built-in data) and
+``source_line`` its position there: the 1-based line of a JSON Lines file, the 0-based index of a JSON array,
+a Parquet file or a demo source."""
 
 
 @dataclass
@@ -56,6 +56,10 @@ class DataResult:
         rejected: one :class:`Rejection` per rejected row.
         n_read: rows read (= len(train) + len(eval) + len(rejected)).
         truncated: accepted rows that were cut to ``max_seq_len`` (policy ``truncate``).
+        sources: rows read per file.
+        formats: per file, rows per detected format (rows rejected before a format was told apart not counted).
+        unused: per file, per unused text field, the rows where it was left out (:func:`.formats.unused_text_fields`).
+        hints: per file and field, the ``data.columns`` line that would use it.
     """
 
     train: pa.Table
@@ -64,86 +68,9 @@ class DataResult:
     n_read: int
     truncated: int = 0
     sources: dict[str, int] = field(default_factory=dict)
-
-
-def _special_token_texts(tokenizer) -> list[str]:
-    """The texts of the tokenizer's special tokens, longest first: the named ones (``all_special_tokens``) and
-    every added token marked special (SmolLM2's ``<empty_output>``, ``<file_sep>``, ...)."""
-    texts = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        if getattr(tok, "special", False):
-            texts.add(str(tok.content))
-    return sorted((t for t in texts if t), key=len, reverse=True)
-
-
-def _without(text: str, tokens: list[str]) -> str:
-    for tok in tokens:
-        text = text.replace(tok, "")
-    return text
-
-
-def tokenize_rows(
-    messages: list[list[dict[str, str]]], tokenizer, max_seq_len: int, overlong: str = "drop"
-) -> list[tuple[list[int], list[int], bool] | str]:
-    """Tokenize chat examples with the model's chat template; loss only on the response.
-
-    Args:
-        messages: per example, the chat messages (last = assistant).
-        tokenizer: a Hugging Face tokenizer with a chat template.
-        max_seq_len: maximum tokens per example (prompt + response).
-        overlong: ``drop`` rejects longer examples; ``truncate`` cuts them (rejected only when no response
-            token is left).
-
-    Returns:
-        Per example, ``(input_ids, labels, truncated)`` with labels -100 on prompt tokens, or a rejection
-        reason (str).
-    """
-    special = _special_token_texts(tokenizer)
-    prompts = [tokenizer.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True) for m in messages]
-    fulls = [tokenizer.apply_chat_template(m, tokenize=False) for m in messages]
-    enc_p = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    enc_f = tokenizer(fulls, add_special_tokens=False)["input_ids"]
-    out: list[tuple[list[int], list[int], bool] | str] = []
-    for msgs, p_ids, f_ids in zip(messages, enc_p, enc_f):
-        if is_blank(_without(msgs[-1]["content"], special)):  # only end-of-turn tokens: nothing to learn
-            out.append("empty response: only whitespace, format characters or special tokens")
-            continue
-        if all(is_blank(_without(m["content"], special)) for m in msgs[:-1] if m["role"] == "user"):
-            out.append("empty prompt: only whitespace, format characters or special tokens")
-            continue
-        n_p = len(p_ids)
-        if f_ids[:n_p] != p_ids:
-            # Templates that rewrite earlier turns: fall back to the longest common prefix.
-            n_p = next((i for i, (a, b) in enumerate(zip(p_ids, f_ids)) if a != b), min(len(p_ids), len(f_ids)))
-        if len(f_ids) <= n_p:
-            out.append("empty response after tokenization")
-            continue
-        if len(f_ids) > max_seq_len:
-            if overlong == "drop":
-                out.append(f"over max length: {len(f_ids)} tokens > data.max_seq_len={max_seq_len}")
-                continue
-            if n_p >= max_seq_len:
-                out.append(f"over max length: the prompt alone is {n_p} tokens >= data.max_seq_len={max_seq_len}")
-                continue
-        cut = len(f_ids) > max_seq_len
-        f_ids = f_ids[:max_seq_len]
-        out.append((list(f_ids), [-100] * n_p + list(f_ids[n_p:]), cut))
-    return out
-
-
-def _tokenize_guarded(messages, tokenizer, max_seq_len: int, overlong: str) -> list:
-    """:func:`tokenize_rows` on a chunk; if the tokenizer fails on the chunk, retry row by row so only the
-    offending rows are rejected (with the tokenizer's message) and the rest of the chunk is kept."""
-    try:
-        return tokenize_rows(messages, tokenizer, max_seq_len, overlong)
-    except Exception:  # noqa: BLE001 - third-party tokenizers raise arbitrary types on hostile text
-        out = []
-        for m in messages:
-            try:
-                out.extend(tokenize_rows([m], tokenizer, max_seq_len, overlong))
-            except Exception as err:  # noqa: BLE001
-                out.append(f"tokenizer error: {type(err).__name__}: {str(err)[:200]}")
-        return out
+    formats: dict[str, dict[str, int]] = field(default_factory=dict)
+    unused: dict[str, dict[str, int]] = field(default_factory=dict)
+    hints: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def _held_out(ids: list[str], domains: list[str], fraction: float, cap: int, seed: int) -> np.ndarray:
@@ -164,8 +91,62 @@ def _held_out(ids: list[str], domains: list[str], fraction: float, cap: int, see
     return mask
 
 
+class _Accepted:
+    """The accepted rows as columns, the ids seen (duplicates are rejected naming the first) and the tallies."""
+
+    def __init__(self, cfg: DataConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.cols: dict[str, list] = {k: [] for k in EXAMPLE_SCHEMA.names}
+        self.seen: dict[str, tuple[str, int]] = {}
+        self.rejected: list[Rejection] = []
+        self.truncated = 0
+        self.pending: list[tuple[str, int, Any, list, str, str]] = []
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        cfg = self.cfg
+        toks = tokenize_guarded([p[3] for p in self.pending], self.tokenizer, cfg.max_seq_len, cfg.overlong,
+                                train_on=cfg.train_on, system_prompt=cfg.default_system_prompt)
+        for (src, pos, row, msgs, source, domain), tok in zip(self.pending, toks):
+            if isinstance(tok, str):
+                self.rejected.append(Rejection(src, pos, tok, row))
+                continue
+            ids, labels, cut = tok
+            eid = example_id(msgs)
+            if eid in self.seen:
+                first = self.seen[eid]
+                self.rejected.append(Rejection(src, pos, f"duplicate example: same content as {first[0]}:{first[1]}",
+                                               row))
+                continue
+            self.seen[eid] = (src, pos)
+            self.truncated += int(cut)
+            for k, v in (("example_id", eid), ("source", source), ("domain", domain), ("input_ids", ids),
+                         ("labels", labels), ("n_tokens", len(ids)), ("source_file", src), ("source_line", pos)):
+                self.cols[k].append(v)
+        self.pending.clear()
+
+
+def _row_domain(row: dict) -> str:
+    """The row's domain, folded (" all ", "all" and "\u200ball" are one name in the report: format characters go,
+    whitespace folds).
+
+    Raises:
+        ValueError: the rejection reason (not a string, or the reserved name ``all``).
+    """
+    domain = row.get("domain")
+    if domain is not None and not isinstance(domain, str):
+        raise ValueError(f"field 'domain' is {type(domain).__name__}, expected a string")
+    domain = " ".join("".join(c for c in (domain or "") if unicodedata.category(c) != "Cf").split()) or "default"
+    if domain == "all":  # the name of the every-domain aggregate in the evaluation
+        raise ValueError("reserved domain: 'all' names the aggregate over every domain in the evaluation; rename "
+                         "the row's domain")
+    return domain
+
+
 def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> DataResult:
-    """Read every source of ``cfg``, canonicalise, tokenize, de-duplicate and split off the held-out rows.
+    """Read every source of ``cfg``, canonicalise (:mod:`.formats`), tokenize (:mod:`.tokenize`),
+    de-duplicate and split off the held-out rows.
 
     Args:
         cfg: the data section of the job config.
@@ -178,80 +159,51 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
     Raises:
         FileNotFoundError: a data file is missing (checked before any row is read).
         ConfigError: a data file has an unsupported type or is not readable as a whole (see
-            :func:`iter_file_rows`). Bad rows never raise: they are rejected.
+            :func:`iter_file_rows`); ``data.default_system_prompt`` does not fit the template. Bad rows never
+            raise: they are rejected.
     """
-    rows = iter_rows(cfg)
-
-    rejected: list[Rejection] = []
-    seen: dict[str, tuple[str, int]] = {}
-    cols: dict[str, list] = {k: [] for k in EXAMPLE_SCHEMA.names}
+    acc = _Accepted(cfg, tokenizer)
     n_read = 0
-    truncated = 0
     sources: dict[str, int] = {}
-    pending: list[tuple[str, int, Any, list, str, str]] = []
-
-    def flush():
-        nonlocal truncated
-        if not pending:
-            return
-        toks = _tokenize_guarded([p[3] for p in pending], tokenizer, cfg.max_seq_len, cfg.overlong)
-        for (src, pos, row, _msgs, source, domain), tok in zip(pending, toks):
-            if isinstance(tok, str):
-                rejected.append(Rejection(src, pos, tok, row))
-                continue
-            ids, labels, cut = tok
-            eid = example_id(_msgs)
-            if eid in seen:
-                first = seen[eid]
-                rejected.append(Rejection(src, pos, f"duplicate example: same content as {first[0]}:{first[1]}", row))
-                continue
-            seen[eid] = (src, pos)
-            truncated += int(cut)
-            cols["example_id"].append(eid)
-            cols["source"].append(source)
-            cols["domain"].append(domain)
-            cols["input_ids"].append(ids)
-            cols["labels"].append(labels)
-            cols["n_tokens"].append(len(ids))
-        pending.clear()
-
-    for src, pos, row in rows:
+    formats: dict[str, dict[str, int]] = {}
+    unused: dict[str, dict[str, int]] = {}
+    hints: dict[str, dict[str, str]] = {}
+    for src, pos, row in iter_rows(cfg):
         n_read += 1
         sources[src] = sources.get(src, 0) + 1
         if isinstance(row, Rejection):
-            rejected.append(row)
+            acc.rejected.append(row)
             continue
         try:
-            msgs = canonicalize(row)
+            fmt, msgs, left = canonical_row(row, cfg.format, cfg.columns)
+            domain = _row_domain(row)
         except ValueError as err:
-            rejected.append(Rejection(src, pos, str(err), row))
+            acc.rejected.append(Rejection(src, pos, str(err), row))
             continue
+        per = formats.setdefault(src, {})
+        per[fmt] = per.get(fmt, 0) + 1
+        for name in left:
+            unused.setdefault(src, {})[name] = unused.get(src, {}).get(name, 0) + 1
+            hints.setdefault(src, {}).setdefault(name, columns_hint(fmt, name))
         source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
-        domain = row.get("domain")
-        if domain is not None and not isinstance(domain, str):
-            rejected.append(Rejection(src, pos, f"field 'domain' is {type(domain).__name__}, expected a string", row))
-            continue
-        # " all ", "all" and "\u200ball" are one name in the report: format characters go, whitespace folds.
-        domain = " ".join("".join(c for c in (domain or "") if unicodedata.category(c) != "Cf").split()) or "default"
-        if domain == "all":  # the name of the every-domain aggregate in the evaluation
-            rejected.append(Rejection(src, pos, "reserved domain: 'all' names the aggregate over every domain in "
-                                                "the evaluation; rename the row's domain", row))
-            continue
-        pending.append((src, pos, row, msgs, source, domain))
-        if len(pending) >= tokenize_chunk:
-            flush()
-    flush()
+        acc.pending.append((src, pos, row, msgs, source, domain))
+        if len(acc.pending) >= tokenize_chunk:
+            acc.flush()
+    acc.flush()
     # Duplicates are found when their tokenizer chunk finishes: put every rejection back in input order.
     order = {src: i for i, src in enumerate(sources)}
-    rejected.sort(key=lambda r: (order.get(r.source, len(order)), r.position))
+    acc.rejected.sort(key=lambda r: (order.get(r.source, len(order)), r.position))
 
-    table = pa.table(cols, schema=EXAMPLE_SCHEMA)
-    held = _held_out(cols["example_id"], cols["domain"], cfg.eval_fraction, cfg.max_eval, cfg.seed)
+    table = pa.table(acc.cols, schema=EXAMPLE_SCHEMA)
+    held = _held_out(acc.cols["example_id"], acc.cols["domain"], cfg.eval_fraction, cfg.max_eval, cfg.seed)
     return DataResult(
         train=table.filter(pa.array(~held)),
         eval=table.filter(pa.array(held)),
-        rejected=rejected,
+        rejected=acc.rejected,
         n_read=n_read,
-        truncated=truncated,
+        truncated=acc.truncated,
         sources=sources,
+        formats=formats,
+        unused=unused,
+        hints=hints,
     )

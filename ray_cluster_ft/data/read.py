@@ -1,10 +1,8 @@
 """Sources -> canonical rows: the readers of JSONL / Parquet / JSON-array files and of the built-in demo data,
 and the one canonical form every row is turned into (a list of chat messages).
 
-Accepted row formats (one per row, checked in this order):
-  * chat ``messages``: a list of ``{"role", "content"}``; the last message must be the assistant's;
-  * ``prompt`` + ``response``;
-  * ``question`` + ``answer`` (the shared coding and medical sets).
+The row formats (OpenAI ``messages``, ShareGPT, Alpaca, TRL prompt/completion, prompt/response,
+question/answer[/context]) and ``data.columns`` are in :mod:`.formats`; docs/data.md describes them.
 
 A row that cannot be read or canonicalised becomes a :class:`Rejection` with its source, position and reason.
 """
@@ -16,7 +14,6 @@ import hashlib
 import json
 import re
 import reprlib
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -26,6 +23,7 @@ import pyarrow.parquet as pq
 
 from ..config import ConfigError, DataConfig
 from ..model import package_dir
+from .formats import canonical_row, is_blank
 
 __all__ = [
     "MEDICAL_SUBJECTS",
@@ -33,6 +31,8 @@ __all__ = [
     "iter_demo_rows",
     "iter_file_rows",
     "iter_rows",
+    "expand_paths",
+    "count_rows",
     "canonicalize",
     "is_blank",
     "reason_category",
@@ -157,6 +157,9 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
             UTF-16/32 (a byte-order mark); the message names the file.
     """
     p = Path(path)
+    if is_datasets_folder(p):
+        yield from _iter_datasets_rows(p, limit)
+        return
     _require_file(p)
     src = str(p)
     name = p.name.lower()
@@ -164,8 +167,12 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
     if name.endswith(".parquet"):
         yield from _iter_parquet_rows(p, limit)
         return
+    if name.endswith((".csv", ".tsv")):
+        yield from _iter_csv_rows(p, limit)
+        return
     if not name.endswith((".jsonl", ".json", ".jsonl.gz", ".ndjson")):
-        raise ConfigError(f"unsupported data file type: {p} (use .jsonl, .ndjson, .jsonl.gz, .json or .parquet)")
+        raise ConfigError(f"unsupported data file type: {p} (use .jsonl, .ndjson, .jsonl.gz, .json, .parquet, .csv, "
+                          f".tsv or a datasets save_to_disk folder)")
     opener = gzip.open if name.endswith(".gz") else open
     try:
         with opener(p, "rb") as fh:
@@ -195,6 +202,97 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
     except (OSError, EOFError, gzip.BadGzipFile) as err:
         # A truncated or corrupt gzip stream is a broken file, not a bad row: there is no next line to read.
         raise ConfigError(f"cannot read data file {p}: {err}") from None
+
+
+def is_datasets_folder(p: Path) -> bool:
+    """Whether ``p`` is a folder written by Hugging Face ``datasets``' ``save_to_disk`` (a ``Dataset``: its
+    ``state.json``; a ``DatasetDict``: its ``dataset_dict.json``)."""
+    return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
+
+
+def _iter_datasets_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, Any]]:
+    """Rows of a ``save_to_disk`` folder (a ``DatasetDict``: its ``train`` split), 0-based positions.
+
+    Raises:
+        ConfigError: the ``datasets`` package is missing (the message names the extra), the folder cannot be
+            loaded, or a ``DatasetDict`` has no ``train`` split.
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"data path {p} is a Hugging Face datasets folder (save_to_disk); reading it needs the "
+                          f"'datasets' package: pip install 'ray-cluster-ft[datasets]'") from None
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as err:  # datasets raises several types for a damaged folder
+        raise ConfigError(f"cannot load datasets folder {p}: {err}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ConfigError(f"datasets folder {p} has splits {sorted(ds)} but no 'train' split to read")
+        ds = ds["train"]
+    n = len(ds) if limit is None else min(limit, len(ds))
+    for i in range(n):
+        yield str(p), i, ds[i]
+
+
+def _iter_csv_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, Any]]:
+    """Rows of a CSV (``.csv``) or tab-separated (``.tsv``) file with a header line, every value a string (an
+    empty cell is an empty string); the position is the 1-based line where the row starts.
+
+    Raises:
+        ConfigError: the file is not UTF-8 or not valid CSV (an unclosed quote, ...).
+    """
+    import csv
+
+    src = str(p)
+    try:
+        with open(p, encoding="utf-8-sig", newline="") as fh:
+            reader = csv.DictReader(fh, delimiter="\t" if p.name.lower().endswith(".tsv") else ",")
+            start = 2
+            for count, row in enumerate(reader):
+                if limit is not None and count >= limit:
+                    return
+                extra = row.pop(None, None)  # cells past the header: a broken row, not a field
+                if extra:
+                    yield src, start, Rejection(src, start, f"CSV row has {len(extra)} cells more than the header",
+                                                row)
+                else:
+                    yield src, start, row
+                start = reader.line_num + 1
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"data file {p} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+    except csv.Error as err:
+        raise ConfigError(f"cannot read CSV file {p}: {err}") from None
+
+
+def count_rows(path: str | Path) -> int:
+    """Rows of one data file without parsing them: non-blank lines of JSON Lines (gzip included), the length of
+    a ``.json`` array, a Parquet file's row count from its footer.
+
+    Raises:
+        ConfigError / FileNotFoundError: as :func:`iter_file_rows` for a file it cannot read.
+    """
+    p = Path(path)
+    if is_datasets_folder(p) or p.name.lower().endswith((".csv", ".tsv")):
+        return sum(1 for _ in iter_file_rows(p))
+    _require_file(p)
+    name = p.name.lower()
+    try:
+        if name.endswith(".parquet"):
+            return pq.ParquetFile(p).metadata.num_rows
+        if name.endswith(".json"):
+            array = _json_array(p)
+            if array is not None:
+                return len(array)
+        opener = gzip.open if name.endswith(".gz") else open
+        with opener(p, "rb") as fh:
+            return sum(1 for raw in fh if raw.strip())
+    except (OSError, EOFError, gzip.BadGzipFile) as err:
+        raise ConfigError(f"cannot read data file {p}: {err}") from None
+    except Exception as err:  # pyarrow raises several types for a corrupt footer
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"cannot read Parquet file {p}: {err}") from None
 
 
 def _require_file(p: Path) -> None:
@@ -282,61 +380,14 @@ def _iter_parquet_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, A
             pos += 1
 
 
-def _check_text(v: str, what: str) -> None:
-    """Reject text the tokenizer cannot encode: a lone UTF-16 surrogate (``"\\ud800"`` in JSON) is legal JSON
-    but not a Unicode scalar, and would crash the tokenizer and the content hash."""
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as err:
-        bad = v[err.start]
-        raise ValueError(f"invalid Unicode in {what}: lone surrogate {bad!r} at character {err.start}") from None
-
-
-# Letters that render as nothing: Hangul fillers, the braille blank.
-_INVISIBLE = frozenset("\u115f\u1160\u3164\uffa0\u2800")
-# Format (Cf: U+200B, U+FEFF, joiners), control (Cc: NUL, ...) and combining marks with no base (Mn, Me:
-# U+034F, variation selectors such as U+FE0F).
-_BLANK_CATEGORIES = frozenset({"Cf", "Cc", "Mn", "Me"})
-
-
-def is_blank(text: str) -> bool:
-    """True when nothing visible is left of ``text`` after removing whitespace, Unicode format and control
-    characters, combining marks and the invisible fillers: such text looks empty to a reader and gives the model
-    nothing to learn. (A combining mark on a letter counts with its letter.)"""
-    return not any(not ch.isspace() and ch not in _INVISIBLE and unicodedata.category(ch) not in _BLANK_CATEGORIES
-                   for ch in text)
-
-
-def _nonempty_str(row: dict, key: str) -> str:
-    if key not in row:
-        raise ValueError(f"missing field '{key}'")
-    v = row[key]
-    if v is None:
-        raise ValueError(f"field '{key}' is null")
-    if not isinstance(v, str):
-        raise ValueError(f"field '{key}' is {type(v).__name__}, expected a string")
-    if is_blank(v):
-        raise ValueError(f"empty {key}")
-    _check_text(v, f"'{key}'")
-    return v
-
-
-def _present(row: dict, *keys: str) -> bool:
-    """Whether any of ``keys`` holds a value; a null counts as absent so that a Parquet file mixing formats
-    (null ``prompt`` beside a filled ``question``) reads each row in the format it uses."""
-    return any(row.get(k) is not None for k in keys)
-
-
-def _short(v: Any, n: int = 60) -> str:
-    r = repr(v) if not isinstance(v, (dict, list)) else type(v).__name__
-    return r if len(r) <= n else r[: n - 3] + "..."
-
-
-def canonicalize(row: Any) -> list[dict[str, str]]:
+def canonicalize(row: Any, fmt: str = "auto", columns: dict | None = None) -> list[dict[str, str]]:
     """Turn one input row into chat messages ending with the assistant's response.
 
     Args:
-        row: a dict with ``messages``, ``prompt``/``response`` or ``question``/``answer``.
+        row: a dict in one of the formats of :mod:`.formats` (``messages``, ``conversations``, Alpaca,
+            ``prompt`` + ``completion``/``response``, ``question`` + ``answer``).
+        fmt: ``data.format``: ``auto`` (per row) or a format name to force.
+        columns: ``data.columns``, the file's field names mapped onto the format's.
 
     Returns:
         ``[{"role": ..., "content": ...}, ...]``; the last message has role ``assistant``.
@@ -344,57 +395,27 @@ def canonicalize(row: Any) -> list[dict[str, str]]:
     Raises:
         ValueError: with the rejection reason (missing field, wrong type, empty prompt or response, ...).
     """
-    if not isinstance(row, dict):
-        raise ValueError(f"not a JSON object: {type(row).__name__}")
-    if "messages" in row and row["messages"] is not None:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ValueError("field 'messages' must be a non-empty list")
-        out = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise ValueError(f"messages[{i}] is {type(m).__name__}, expected an object")
-            role, content = m.get("role"), m.get("content")
-            if not isinstance(role, str) or role not in ("system", "user", "assistant"):
-                raise ValueError(f"messages[{i}].role is {_short(role)}, expected system/user/assistant")
-            if not isinstance(content, str):
-                raise ValueError(f"messages[{i}].content is {type(content).__name__}, expected a string")
-            _check_text(content, f"messages[{i}].content")
-            out.append({"role": role, "content": content})
-        if out[-1]["role"] != "assistant":
-            raise ValueError("the last message is not the assistant's response")
-        if is_blank(out[-1]["content"]):
-            raise ValueError("empty response")
-        if not any(m["role"] == "user" and not is_blank(m["content"]) for m in out[:-1]):
-            raise ValueError("empty prompt: no user message before the response")
-        return out
-    if _present(row, "prompt", "response") or not _present(row, "question", "answer") and (
-        "prompt" in row or "response" in row
-    ):
-        prompt, response = _nonempty_str(row, "prompt"), _nonempty_str(row, "response")
-    elif _present(row, "question", "answer") or "question" in row or "answer" in row:
-        prompt, response = _nonempty_str(row, "question"), _nonempty_str(row, "answer")
-    else:
-        raise ValueError("missing field: need 'messages', 'prompt'+'response' or 'question'+'answer'")
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    return canonical_row(row, fmt, columns)[1]
 
 
 # Reasons that carry the offending value or an index before any ':' -> one category each, so that the
 # manifest's tally has a bounded number of keys however many different bad values the data holds.
 _CATEGORIES = [
-    (re.compile(r"^messages\[\d+\]\.role is "), "messages[i].role not system/user/assistant"),
-    (re.compile(r"^messages\[\d+\]\.content is "), "messages[i].content not a string"),
-    (re.compile(r"^messages\[\d+\] is "), "messages[i] not an object"),
+    (re.compile(r"^(messages|prompt|completion)\[\d+\]\.role is "), r"\1[i].role not system/user/assistant/tool"),
+    (re.compile(r"^(messages|prompt|completion)\[\d+\]\.content is "), r"\1[i].content not a string"),
+    (re.compile(r"^(messages|prompt|completion|conversations)\[\d+\] is "), r"\1[i] not an object"),
+    (re.compile(r"^conversations\[\d+\]\.(from|value) is "), r"conversations[i].\1 not valid"),
     (re.compile(r"^field '(\w+)' is null"), r"field '\1' is null"),
     (re.compile(r"^field '(\w+)' is "), r"field '\1' not a string"),
     (re.compile(r"^invalid Unicode"), "invalid Unicode"),
+    (re.compile(r"^(missing field '[^']+') \(the row has "), r"\1"),
 ]
 
 
 def reason_category(reason: str) -> str:
     """The category of a rejection reason, for ``counts.rejected_by_reason``: the text before the first ``:``,
     with per-row values and message indices folded (``messages[3].role is 'robot', ...`` ->
-    ``messages[i].role not system/user/assistant``; ``field 'prompt' is int, ...`` -> ``field 'prompt' not a
+    ``messages[i].role not system/user/assistant/tool``; ``field 'prompt' is int, ...`` -> ``field 'prompt' not a
     string``). The full reason stays in ``rejected.jsonl``."""
     for pattern, category in _CATEGORIES:
         m = pattern.match(reason)
@@ -417,9 +438,43 @@ def iter_rows(cfg: DataConfig) -> Iterator[tuple[str, int, Any]]:
     """
     if cfg.source == "demo":
         return iter_demo_rows(cfg.limit, cfg.seed)
-    for p in cfg.paths:
-        _require_file(Path(p))
-    return (r for p in cfg.paths for r in iter_file_rows(p, cfg.limit))
+    paths = expand_paths(cfg.paths)
+    for p in paths:
+        if not is_datasets_folder(Path(p)):
+            _require_file(Path(p))
+    return (r for p in paths for r in iter_file_rows(p, cfg.limit))
+
+
+_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".json", ".parquet", ".csv", ".tsv")
+_GLOB = frozenset("*?[")
+
+
+def expand_paths(paths: Sequence[str]) -> list[str]:
+    """``data.paths`` as files, in order: a glob (``shards/*.jsonl``, ``**`` recursive) becomes its matches and a
+    folder the data files directly inside it (by suffix: ``.jsonl``, ``.ndjson``, ``.jsonl.gz``, ``.json``,
+    ``.parquet``), both in sorted order; a file stays itself; a file named twice is read once.
+
+    Raises:
+        FileNotFoundError: a glob matches no file, or a folder holds no data file (the message names it).
+    """
+    import glob
+
+    out: list[str] = []
+    for p in paths:
+        if any(c in _GLOB for c in p) and not Path(p).exists():
+            found = sorted(f for f in glob.glob(p, recursive=True) if Path(f).is_file())
+            if not found:
+                raise FileNotFoundError(f"data.paths: the glob {p} matches no file")
+        elif is_datasets_folder(Path(p)):
+            found = [p]
+        elif Path(p).is_dir():
+            found = sorted(str(f) for f in Path(p).iterdir() if f.is_file() and f.name.lower().endswith(_SUFFIXES))
+            if not found:
+                raise FileNotFoundError(f"data.paths: the folder {p} holds no data file ({', '.join(_SUFFIXES)})")
+        else:
+            found = [p]
+        out += [f for f in found if f not in out]
+    return out
 
 
 def rows_by_id(data_cfg, wanted: Sequence[str]) -> dict[str, tuple[Any, list[dict[str, str]]]]:
@@ -439,7 +494,7 @@ def rows_by_id(data_cfg, wanted: Sequence[str]) -> dict[str, tuple[Any, list[dic
         if isinstance(row, Rejection):
             continue
         try:
-            msgs = canonicalize(row)
+            msgs = canonicalize(row, data_cfg.format, data_cfg.columns)
         except ValueError:
             continue
         eid = example_id(msgs)

@@ -13,7 +13,7 @@ from ..rundir import claim, same_as_before
 from .examples import DataResult, load_examples
 from .read import reason_category
 
-__all__ = ["DataOutput", "run"]
+__all__ = ["DataOutput", "check", "run"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,68 @@ class DataOutput:
         return {"read": d.n_read, "accepted": d.train.num_rows + d.eval.num_rows, "rejected": len(d.rejected),
                 "held_out": d.eval.num_rows, "candidates": d.train.num_rows, "truncated": d.truncated,
                 "rejected_by_reason": self.reasons}
+
+    @property
+    def files(self) -> dict:
+        """The manifest's ``data_files``: per file read, ``{"rows": rows read, "formats": {format: rows},
+        "unused_fields": {field: rows where it was not used}}`` (:mod:`.formats`)."""
+        d = self.result
+        return {src: {"rows": n, "formats": d.formats.get(src, {}), "unused_fields": d.unused.get(src, {})}
+                for src, n in d.sources.items()}
+
+
+def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None) -> dict:
+    """``ray-cluster-ft check``'s look at the data, with the tokenizer only (no model weights): every path
+    stat-ed, each file's rows counted, its first ``sample_rows`` rows read, canonicalised and tokenized exactly as
+    the data stage does; the formats and unused fields printed to ``out`` as a run prints them, then
+    ``n_examples`` decoded examples with the trained part between ``[[`` and ``]]``.
+
+    Returns:
+        ``{"files": {path: {"rows", "sampled", "rejected", "formats", "unused_fields"}}, "examples": [str]}``.
+
+    Raises:
+        FileNotFoundError: a data file is missing (the message ``run`` gives).
+        ConfigError: a file is unreadable as a whole or of an unsupported type, ``data.unused_fields: error``
+            with an unused field, or no row of a file's sample is accepted (the reasons counted).
+    """
+    from ..model import load_tokenizer_only
+    from .read import count_rows
+    from .tokenize import marked_text
+
+    d = cfg.data
+    try:
+        tok = load_tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
+    except (OSError, ValueError) as err:
+        if isinstance(err, (FileNotFoundError, ConfigError)):
+            raise
+        raise ConfigError(f"model.path {cfg.model.path!r}: cannot load its tokenizer: {err}") from None
+    sample = load_examples(d.model_copy(update={"limit": min(d.limit or sample_rows, sample_rows),
+                                                "eval_fraction": 0.0}), tok)
+    _report_fields(sample, d.unused_fields, out)
+    files = {}
+    for src, n in sample.sources.items():
+        reasons: dict[str, int] = {}
+        for rej in sample.rejected:
+            if rej.source == src:
+                reasons[reason_category(rej.reason)] = reasons.get(reason_category(rej.reason), 0) + 1
+        if sum(reasons.values()) == n:
+            raise ConfigError(f"data file {src}: none of its first {n} rows is accepted (rejected: {reasons}); "
+                              f"see docs/data.md for the formats and data.columns")
+        files[src] = {"rows": count_rows(src) if d.source == "files" else None, "sampled": n,
+                      "rejected": sum(reasons.values()), "formats": sample.formats.get(src, {}),
+                      "unused_fields": sample.unused.get(src, {})}
+        print(f"[ray-cluster-ft] check: {src}: {files[src]['rows'] if files[src]['rows'] is not None else 'demo'} "
+              f"rows; of the first {n}: {n - sum(reasons.values())} accepted, {sum(reasons.values())} rejected"
+              + (f" {reasons}" if reasons else ""), file=out, flush=True)
+    if not sample.sources:
+        raise ConfigError("no accepted training examples: the data files hold no rows")
+    t = sample.train.slice(0, n_examples)
+    examples = [marked_text(tok, i, lab) for i, lab in zip(t.column("input_ids").to_pylist(),
+                                                            t.column("labels").to_pylist())]
+    for k, ex in enumerate(examples, 1):
+        print(f"[ray-cluster-ft] check: example {k} as trained (masked text as is, trained text in [[ ]]):\n{ex}",
+              file=out, flush=True)
+    return {"files": files, "examples": examples}
 
 
 def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
@@ -83,6 +145,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
     """
     model_path, tok = _tokenizer(cfg)
     data = load_examples(cfg.data, tok)
+    _report_fields(data, cfg.data.unused_fields)
     if resume:
         same_as_before(run_dir / "examples.parquet", data.train, ["example_id", "n_tokens"])
         same_as_before(run_dir / "eval_examples.parquet", data.eval, ["example_id"])
@@ -100,12 +163,36 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
         f"selection, {data.eval.num_rows} held out, {len(data.rejected)} rejected" + (f" {reasons}" if reasons else ""),
         flush=True,
     )
+    if data.rejected:
+        print(f"[ray-cluster-ft] rejected rows and their reasons: {run_dir / 'rejected.jsonl'}", flush=True)
     eval_files = _eval_files(cfg, tok, run_dir)
     candidates = set(data.train.column("example_id").to_pylist())
     overlap = {path: len(candidates.intersection(res.train.column("example_id").to_pylist()))
                for path, res in eval_files.items()}
     _warn_eval_files(eval_files, overlap)
     return DataOutput(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files, overlap)
+
+
+def _report_fields(data: DataResult, policy: str, out=None) -> None:
+    """The formats per file on the console, and the unused text fields by ``data.unused_fields``: one warning
+    per file and field (``warn``), or a ``ConfigError`` naming every one (``error``), before anything is written.
+
+    Raises:
+        ConfigError: ``policy == "error"`` and some text field went unused.
+    """
+    for src, per in data.formats.items():
+        fmts = ", ".join(f"{f} ({n})" for f, n in sorted(per.items(), key=lambda kv: -kv[1]))
+        print(f"[ray-cluster-ft] {src}: format {fmts}", file=out, flush=True)
+    lines = [f"{src}: field {name!r} is not used by the row format in {n} row{'' if n == 1 else 's'}; to train "
+             f"on it: {data.hints[src][name]}"
+             for src, fields in data.unused.items() for name, n in fields.items()]
+    if not lines or policy == "ignore":
+        return
+    if policy == "error":
+        raise ConfigError("data.unused_fields is 'error' and text fields would not be trained on:\n  "
+                          + "\n  ".join(lines) + "\n(map them with data.columns, or set data.unused_fields: warn)")
+    for line in lines:
+        print(f"[ray-cluster-ft] warning: {line}", file=out, flush=True)
 
 
 def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
@@ -121,7 +208,8 @@ def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
     with open(claim(run_dir, "eval_rejected.jsonl"), "w", encoding="utf-8") as fh:
         for path in cfg.evaluation.paths:
             one = DataConfig(source="files", paths=[path], max_seq_len=d.max_seq_len, overlong=d.overlong,
-                             eval_fraction=0.0, max_eval=0, seed=d.seed)
+                             eval_fraction=0.0, max_eval=0, seed=d.seed, format=d.format, columns=d.columns,
+                             train_on=d.train_on, default_system_prompt=d.default_system_prompt)
             try:
                 out[path] = load_examples(one, tok)
             except FileNotFoundError as err:  # else it reads as a data.paths file

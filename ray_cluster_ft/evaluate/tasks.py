@@ -124,7 +124,7 @@ def eval_tasks(data_cfg, eval_table: pa.Table, max_mc: int = 64, max_code: int =
         if task is None:
             continue
         try:
-            eid = example_id(canonicalize(row))
+            eid = example_id(canonicalize(row, data_cfg.format, data_cfg.columns))
         except ValueError:
             continue  # a rejected row is never held out
         if eid in domains and eid not in found:

@@ -84,7 +84,8 @@ def prepare_sketch_inputs(train, cfg, tokenizer) -> SketchInputs:
     if same_tokenization(tokenizer, ptok):
         return SketchInputs(train.select(cols), path, int(ptok.pad_token_id))
     msgs = load_messages(cfg.data, ids)
-    toks = tokenize_rows([msgs[i] for i in ids], ptok, cfg.data.max_seq_len, "truncate")
+    toks = tokenize_rows([msgs[i] for i in ids], ptok, cfg.data.max_seq_len, "truncate",
+                         train_on=cfg.data.train_on, system_prompt=cfg.data.default_system_prompt)
     bad = [(i, t) for i, t in zip(ids, toks) if isinstance(t, str)]
     if bad:
         raise ValueError(f"sketch.model {sk.model!r}: {len(bad)} examples have no response token within "

@@ -147,6 +147,7 @@ def pipeline_manifest(cfg, run_dir: Path, timer: StageTimer, *, spec: dict, resu
                 **{k: budget[k] for k in ("groups", "group_quotas") if k in budget}},
         checks=check,
         eval={"before": (before.summary if before else None) or {}, "after": (after.summary if after else None) or {}},
+        data_files=data.files,
         eval_files=_eval_files(data, before, after),
         train=None if train is None else train.summary,
         seeds={"data": cfg.data.seed, "sketch": cfg.sketch.seed, "clustering": cfg.clustering.seed,
@@ -169,7 +170,8 @@ def features_manifest(cfg, run_dir: Path, timer: StageTimer, *, data, features) 
     d = data.summary
     counts = {k: d[k] for k in ("read", "accepted", "rejected", "held_out", "candidates")}
     return {"command": "features", "config": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "argv": sys.argv,
-            "counts": {**counts, **feature_counts(features.summary)}, "sketch": features.summary,
+            "counts": {**counts, **feature_counts(features.summary)}, "data_files": data.files,
+            "sketch": features.summary,
             "seeds": {"data": cfg.data.seed, "sketch": cfg.sketch.seed}, "timings_s": timer.finish()}
 
 

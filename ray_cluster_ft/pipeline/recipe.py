@@ -92,14 +92,15 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
             alloc = allocate.run(cfg, run_dir, example_ids=ids,
                                  labels=labels if clustered else np.zeros(len(ids), dtype=np.int64),
                                  n_tokens=n_tokens, selected=np.asarray(sel.result.indices),
-                                 reasons=sel.result.reasons, expected_plan_hash=old_hash)
+                                 reasons=sel.result.reasons, expected_plan_hash=old_hash,
+                                 origins=cand.select(["example_id", "source_file", "source_line"]))
         if not plan_only:
             before, trained, after, epochs = _evaluate_and_train(cfg, run_dir, ds, alloc, timer, evaluator, resume)
     manifest = pipeline_manifest(cfg, run_dir, timer, spec=spec, resumed=resume, models=models, data=ds,
                                  features=feats, cluster=clusters, select=sel, allocate=alloc, train=trained,
                                  before=before, after=after, epochs=epochs,
                                  profile=_profile(cfg, ds, labels, n_tokens, alloc) if clustered else None)
-    return _finish(run_dir, manifest, alloc, labels, sel, trained)
+    return _finish(run_dir, manifest, alloc, labels, sel, trained, _examples_shown(ds))
 
 
 def run_features(cfg: JobConfig, address: str | None = None) -> dict:
@@ -231,13 +232,32 @@ def _evaluate_epochs(cfg, run_dir: Path, final, after, scoring: dict) -> list[di
     return rows
 
 
-def _finish(run_dir: Path, manifest: dict, alloc, labels, sel, trained) -> dict:
+def _examples_shown(ds, n: int = 3) -> list[str]:
+    """``n`` candidates decoded with their trained part marked, for the report: the first of each file, then the
+    next ones in order."""
+    import pyarrow as pa
+
+    from ..data import marked_text
+
+    files = ds.result.train.column("source_file").to_pylist()
+    first: dict[str, int] = {}
+    for i, f in enumerate(files):
+        first.setdefault(f, i)
+    picks = list(first.values())[:n]
+    picks += [i for i in range(len(files)) if i not in picks][:n - len(picks)]
+    t = ds.result.train.take(pa.array(sorted(picks), pa.int64()))
+    return [marked_text(ds.tokenizer, i, lab) for i, lab in zip(t.column("input_ids").to_pylist(),
+                                                                   t.column("labels").to_pylist())]
+
+
+def _finish(run_dir: Path, manifest: dict, alloc, labels, sel, trained, shown: list[str]) -> dict:
     """Manifest and report written; raises when the trained log does not match the plan."""
     from .report import FIGURES, write_report
 
     claim(run_dir, "manifest.json", "report.md", *FIGURES)
     write_manifest(run_dir, manifest)
-    write_report(run_dir, manifest, alloc.plan, labels, np.asarray(sel.result.indices), baseline_plan=alloc.baseline)
+    write_report(run_dir, manifest, alloc.plan, labels, np.asarray(sel.result.indices), baseline_plan=alloc.baseline,
+                 trained_examples=shown)
     check = manifest["checks"]
     if trained is not None and not (check["matches_plan"] and check["once_per_epoch"]):
         raise RuntimeError(f"trained log does not match the plan: {check}")

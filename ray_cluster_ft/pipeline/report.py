@@ -172,7 +172,8 @@ def _eval_lines(manifest: dict) -> list[str]:
 
 # One section of report.md after another; each figure is its own helper above.
 def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.ndarray | None,
-                 selected_idx: np.ndarray, baseline_plan: pd.DataFrame | None = None) -> Path:
+                 selected_idx: np.ndarray, baseline_plan: pd.DataFrame | None = None,
+                 trained_examples: list[str] | None = None) -> Path:
     """Write ``report.md`` plus ``clusters.png``, ``load.png``, ``allocation.png`` and ``loss.png`` into ``run_dir``.
 
     Args:
@@ -185,6 +186,9 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
             or None. When given, ``allocation.png`` draws the plan and the baseline side by side: per-step
             token max/mean across ranks, same-cluster collisions per step, padding fraction and
             critical-path tokens (issue 4); the plan needs a ``cluster`` column for the collisions.
+        trained_examples: decoded examples with the trained part marked
+            (:func:`ray_cluster_ft.data.marked_text`), shown under "What is trained" with the manifest's
+            ``data_files`` (formats and unused fields per file).
 
     Returns:
         The path of ``report.md``.
@@ -196,6 +200,7 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
     run_dir = Path(run_dir)
     lines = ["# ray-cluster-ft run report", "", f"Run directory: `{run_dir}`", ""]
     lines += _count_lines(manifest)
+    lines += _trained_lines(manifest, trained_examples or [])
     timings = manifest["timings_s"]
     lines += ["## Stage timings (s)", "", _table(list(timings), [list(timings.values())]), ""]
 
@@ -255,6 +260,22 @@ def _packing_lines(alloc: dict | None, train: dict) -> list[str]:
         text += "clusters counted per row" + (" (the packed cluster plan keeps them so)." if alloc["packing"] else
                                               "; the unpacked plan keeps only each micro-batch's majority apart.")
     return [text, ""]
+def _trained_lines(manifest: dict, examples: list[str]) -> list[str]:
+    """"What is trained": the formats and unused text fields per file, then the decoded examples."""
+    files = manifest.get("data_files") or {}
+    if not files and not examples:
+        return []
+    lines = ["## What is trained", ""]
+    if files:
+        rows = [[f"`{src}`", f["rows"], ", ".join(f"{k} ({n})" for k, n in f["formats"].items()) or "-",
+                 ", ".join(f"{k} ({n})" for k, n in f["unused_fields"].items()) or "-"] for src, f in files.items()]
+        lines += [_table(["file", "rows read", "formats (rows)", "unused text fields (rows)"], rows), ""]
+    if examples:
+        lines += ["Candidate examples as the model sees them: the masked part (prompt, template, labels -100) as "
+                  "plain text, the trained part between `[[` and `]]`:", ""]
+        for ex in examples:
+            lines += ["```", ex.replace("```", "` ` `"), "```", ""]
+    return lines
 
 
 def _count_lines(manifest: dict) -> list[str]:

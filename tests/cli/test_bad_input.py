@@ -53,7 +53,8 @@ BAD_LINES = [
     ("json-array", b'[{"prompt": "q", "response": "r"}]', "not a JSON object: array"),
     ("json-null", b"null", "not a JSON object: null"),
     ("json-number", b"42", "not a JSON object: number"),
-    ("no-known-field", {"text": "hello"}, "missing field: need 'messages', 'prompt'+'response' or 'question'+'answer'"),
+    ("no-known-field", {"text": "hello"}, "missing field: need 'messages', 'conversations' (sharegpt), 'instruction'+'output' (alpaca), "
+     "'prompt'+'completion', 'prompt'+'response' or 'question'+'answer'; map other fields with data.columns"),
     ("missing-response", {"prompt": "q"}, "missing field 'response'"),
     ("missing-prompt", {"response": "r"}, "missing field 'prompt'"),
     ("missing-answer", {"question": "q"}, "missing field 'answer'"),
@@ -67,9 +68,9 @@ BAD_LINES = [
     ("messages-empty", {"messages": []}, "field 'messages' must be a non-empty list"),
     ("message-not-object", {"messages": ["hi", "there"]}, "messages[0] is str, expected an object"),
     ("bad-role", _chat(("robot", "p"), ("assistant", "r")),
-     "messages[0].role is 'robot', expected system/user/assistant"),
+     "messages[0].role is 'robot', expected system/user/assistant/tool"),
     ("missing-role", {"messages": [{"content": "p"}, {"role": "assistant", "content": "r"}]},
-     "messages[0].role is None, expected system/user/assistant"),
+     "messages[0].role is None, expected system/user/assistant/tool"),
     ("content-not-string", {"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "r"}]},
      "messages[0].content is int, expected a string"),
     ("last-not-assistant", _chat(("user", "p")), "the last message is not the assistant's response"),
@@ -178,8 +179,9 @@ def test_parquet_chat_messages_column(tmp_path, demo_tokenizer):
     res = _load([p], demo_tokenizer)
     assert res.train.num_rows == 1
     assert [(r.position, r.reason) for r in res.rejected] == [
-        (1, "messages[1].role is 'bot', expected system/user/assistant"),
-        (2, "missing field: need 'messages', 'prompt'+'response' or 'question'+'answer'")]
+        (1, "messages[1].role is 'bot', expected system/user/assistant/tool"),
+        (2, "missing field: need 'messages', 'conversations' (sharegpt), 'instruction'+'output' (alpaca), "
+     "'prompt'+'completion', 'prompt'+'response' or 'question'+'answer'; map other fields with data.columns")]
 
 
 def test_unreadable_files_raise_naming_the_file(tmp_path, demo_tokenizer):
@@ -191,9 +193,9 @@ def test_unreadable_files_raise_naming_the_file(tmp_path, demo_tokenizer):
     gz.write_bytes(gzip.compress(json.dumps(GOOD).encode() * 50)[:40])  # truncated stream
     with pytest.raises(ValueError, match=f"cannot read data file {gz}"):
         list(iter_file_rows(gz))
-    other = tmp_path / "rows.csv"
+    other = tmp_path / "rows.xlsx"
     other.write_text("prompt,response\nq,r\n")
-    with pytest.raises(ValueError, match="unsupported data file type: .*rows.csv"):
+    with pytest.raises(ValueError, match="unsupported data file type: .*rows.xlsx"):
         _load([other], demo_tokenizer)
     with pytest.raises(FileNotFoundError, match="data file not found: .*nope.jsonl"):
         _load([tmp_path / "nope.jsonl"], demo_tokenizer)
@@ -202,7 +204,7 @@ def test_unreadable_files_raise_naming_the_file(tmp_path, demo_tokenizer):
 def test_file_level_problems_name_the_file(tmp_path, demo_tokenizer):
     a_dir = tmp_path / "adir"
     a_dir.mkdir()
-    with pytest.raises(FileNotFoundError, match="data path is a directory, not a file: .*adir"):
+    with pytest.raises(FileNotFoundError, match="data.paths: the folder .*adir holds no data file"):
         _load([a_dir], demo_tokenizer)
     utf16 = tmp_path / "utf16.jsonl"
     utf16.write_bytes((json.dumps(GOOD) + "\n").encode("utf-16"))  # with its byte-order mark
@@ -535,7 +537,7 @@ def test_reason_categories_fold_values_and_indices():
     from ray_cluster_ft.data.read import reason_category
 
     cases = {
-        "messages[3].role is 'ro|bot', expected system/user/assistant": "messages[i].role not system/user/assistant",
+        "messages[3].role is 'ro|bot', expected system/user/assistant/tool": "messages[i].role not system/user/assistant/tool",
         "messages[12].content is int, expected a string": "messages[i].content not a string",
         "messages[0] is str, expected an object": "messages[i] not an object",
         "field 'prompt' is int, expected a string": "field 'prompt' not a string",

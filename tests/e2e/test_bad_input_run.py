@@ -46,7 +46,7 @@ def test_mixed_file_run_manifest_accounts_for_every_row(tmp_path, tiny_model_dir
     from ray_cluster_ft.data.read import reason_category
 
     assert c["rejected_by_reason"] == dict(Counter(reason_category(b[2]) for b in BAD_LINES))
-    assert c["rejected_by_reason"]["messages[i].role not system/user/assistant"] == 2
+    assert c["rejected_by_reason"]["messages[i].role not system/user/assistant/tool"] == 2
 
     # A refused resume (the data changed) leaves the run directory as it was.
     before = {n: (out / n).read_bytes() for n in ("examples.parquet", "rejected.jsonl", "manifest.json")}

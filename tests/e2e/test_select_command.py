@@ -29,7 +29,7 @@ from tests._pins import (
     matches_pins,
 )
 
-ADDED = ["example_id", "cluster", "weight", "rank", "step"]
+ADDED = ["example_id", "cluster", "weight", "rank", "step", "source_file", "source_line"]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +67,12 @@ def test_selected_rows_are_the_rows_as_read(selected):
     by_id = {}
     for row in rows:
         by_id.setdefault(example_id(canonicalize(row)), row)
-    for rec in records:
+    lines_of = FIXTURE.read_text(encoding="utf-8").splitlines()
+    for rec, (src, line) in zip(records, zip(sel["source_file"], sel["source_line"])):
         assert {k: v for k, v in rec.items() if k not in ADDED} == by_id[rec["example_id"]]
+        # the file and 1-based line the row was read from, in the export and in selection.parquet
+        assert (rec["source_file"], rec["source_line"]) == (src, line) == (str(FIXTURE), line)
+        assert json.loads(lines_of[line - 1]) == by_id[rec["example_id"]]
     assert any(f"{out / 'selected.jsonl'} and {out / 'selected.parquet'}" in line for line in lines)
 
 

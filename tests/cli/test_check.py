@@ -1,0 +1,75 @@
+"""``ray-cluster-ft check`` reads the data with the tokenizer only: formats, counts, unused fields, two decoded
+examples; a file that ``run`` would refuse fails it with exit status 2, in seconds."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+
+from ray_cluster_ft.cli import main
+from tests.data.test_formats import CASES
+
+
+def _spec(tmp_path, model_dir, paths, **data):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"data": {"paths": [str(p) for p in paths], **data},
+                                    "model": {"path": str(model_dir)}, "output": {"dir": str(tmp_path / "run")}}))
+    return spec
+
+
+def test_check_reads_every_format_and_shows_what_is_trained(tmp_path, tiny_model_dir, capsys):
+    files = []
+    for i, (fmt, row, _full, _trained) in enumerate(CASES):
+        files.append(tmp_path / f"{i}-{fmt}.jsonl")
+        files[-1].write_text(json.dumps(row) + "\n")
+    assert main(["check", str(_spec(tmp_path, tiny_model_dir, [tmp_path / "*.jsonl"]))]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["data"]["format"] == "auto"  # stdout: the spec, as before
+    for i, (fmt, *_rest) in enumerate(CASES):
+        assert f"{tmp_path / f'{i}-{fmt}.jsonl'}: format {fmt} (1)" in err
+        assert f"check: {tmp_path / f'{i}-{fmt}.jsonl'}: 1 rows; of the first 1: 1 accepted, 0 rejected" in err
+    # the first two files' rows, trained text marked: the chat's two replies, then ShareGPT's
+    assert "<|im_start|>assistant\n[[Hello.<|im_end|>\n]]<|im_start|>user\n2+2?" in err
+    assert "[[Blue.<|im_end|>\n]]<|im_start|>user\nGrass?<|im_end|>\n<|im_start|>assistant\n[[Green.<|im_end|>\n]]" in err
+    assert "no model weights" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("what, data, message", [
+    ("missing file", {"paths": ["{tmp}/nope.jsonl"]}, "data file not found: {tmp}/nope.jsonl"),
+    ("empty glob", {"paths": ["{tmp}/shards/*.jsonl"]}, "data.paths: the glob {tmp}/shards/*.jsonl matches no file"),
+    ("refused format", {"paths": ["{tmp}/text.jsonl"]},
+     "data file {tmp}/text.jsonl: none of its first 2 rows is accepted (rejected: {{'missing field': 2}})"),
+    ("forced format", {"paths": ["{tmp}/pr.jsonl"], "format": "alpaca"},
+     "data file {tmp}/pr.jsonl: none of its first 1 rows is accepted (rejected: {{\"missing field 'instruction'\": 1}})"),
+    ("unused field refused", {"paths": ["{tmp}/pr.jsonl"], "unused_fields": "error"},
+     "{tmp}/pr.jsonl: field 'input' is not used by the row format in 1 row; to train on it: data.columns: "
+     "{{prompt: [prompt, input]}}"),
+])
+def test_check_fails_fast_on_data_run_would_refuse(tmp_path, tiny_model_dir, capsys, what, data, message):
+    (tmp_path / "text.jsonl").write_text('{"text": "a b c"}\n{"text": "d e f"}\n')
+    (tmp_path / "pr.jsonl").write_text('{"prompt": "Summarize.", "response": "Short.", "input": "The paragraph."}\n')
+    data = {k: ([p.format(tmp=tmp_path) for p in v] if k == "paths" else v) for k, v in data.items()}
+    spec = _spec(tmp_path, tiny_model_dir, data.pop("paths"), **data)
+    start = time.perf_counter()
+    assert main(["check", str(spec)]) == 2
+    assert time.perf_counter() - start < 10
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_run_with_unused_fields_error_stops_before_ray(tmp_path, tiny_model_dir, capsys):
+    import ray
+
+    (tmp_path / "pr.jsonl").write_text('{"prompt": "Summarize.", "response": "Short.", "input": "The paragraph."}\n')
+    spec = _spec(tmp_path, tiny_model_dir, [tmp_path / "pr.jsonl"], unused_fields="error")
+    assert main(["run", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'pr.jsonl'}: field 'input' is not used by the row format in 1 row" in err
+    assert not ray.is_initialized() and not (tmp_path / "run" / "examples.parquet").exists()
+    spec = _spec(tmp_path, tiny_model_dir, [tmp_path / "pr.jsonl"])  # warn: one line naming file and field
+    assert main(["check", str(spec)]) == 0
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning:" in ln]
+    assert warned == [f"[ray-cluster-ft] warning: {tmp_path / 'pr.jsonl'}: field 'input' is not used by the row "
+                      "format in 1 row; to train on it: data.columns: {prompt: [prompt, input]}"]

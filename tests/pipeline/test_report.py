@@ -1,0 +1,32 @@
+"""report.md's "What is trained": the formats and unused fields per file and decoded examples, prompt masked,
+response marked."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ray_cluster_ft.data import marked_text
+from ray_cluster_ft.data.formats import canonical_row
+from ray_cluster_ft.data.tokenize import tokenize_rows
+
+
+def test_what_is_trained_section(tmp_path, demo_tokenizer):
+    from ray_cluster_ft.allocate import make_plan
+    from ray_cluster_ft.pipeline.report import write_report
+
+    row = {"instruction": "Summarize the following paragraph.", "input": "Cats sleep a lot.", "output": "Cats nap."}
+    ids, labels, _ = tokenize_rows([canonical_row(row)[1]], demo_tokenizer, 512)[0]
+    shown = marked_text(demo_tokenizer, ids, labels)
+    assert shown == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                     "<|im_end|>\n<|im_start|>user\nSummarize the following paragraph.\n\nCats sleep a lot.<|im_end|>\n"
+                     "<|im_start|>assistant\n[[Cats nap.<|im_end|>\n]]")
+    plan = make_plan(np.array([f"e{i}" for i in range(8)]), np.arange(8) % 2, np.full(8, 10), 2, 2).plan
+    manifest = {"counts": {k: 8 for k in ("read", "accepted", "selected", "trained")} | {
+                    "rejected": 0, "held_out": 0, "not_selected": 0},
+                "timings_s": {"total": 1.0}, "eval": {"before": {}, "after": {}},
+                "data_files": {"/d/a.jsonl": {"rows": 5, "formats": {"alpaca": 4, "prompt_response": 1},
+                                              "unused_fields": {"note": 2}}}}
+    report = write_report(tmp_path, manifest, plan, None, np.arange(8), trained_examples=[shown]).read_text()
+    section = report.split("## What is trained\n", 1)[1].split("\n## ", 1)[0]
+    assert "| `/d/a.jsonl` | 5 | alpaca (4), prompt_response (1) | note (2) |" in section
+    assert f"```\n{shown}\n```" in section
