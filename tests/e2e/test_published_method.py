@@ -1,6 +1,8 @@
 """The published method end to end (``preset: cluster-paper``) on 120 real rows with the tiny model, plan only:
 last-layer features, KMeans with k = world size, every cluster cut to the same count, rank r trains cluster r,
-and selection weights that restore each cluster's share."""
+and selection weights that restore each cluster's share; on the run's real last-layer features the labels, rows
+per rank and weights equal the independent transcription of the official code (tests/select/
+test_published_reference.py), and the manifest and report say what each cluster holds."""
 
 from __future__ import annotations
 
@@ -57,6 +59,23 @@ def test_cluster_paper_preset_plans_cluster_per_rank_with_share_weights(tmp_path
     assert plan.groupby("rank")["cluster"].unique().map(list).to_dict() == {0: [0], 1: [1]}
     assert (plan.groupby(["epoch", "example_id"]).size() == 1).all()
     assert manifest["plan_metrics"]["cluster_per_rank"]["collisions_per_step"] == 0.0
+
+    # the same selection as the transcription of the official code on this run's real last-layer features
+    # (raw g_i from the shards, L2-normalised as its jvp_proxy_normalized does, in candidate order)
+    import torch
+
+    from ray_cluster_ft.features import read_sketches
+    from tests.select.test_published_reference import reference_selection
+
+    raw = read_sketches(str(out / "sketches"))
+    pos = pd.Index(raw["example_id"]).get_indexer(clusters["example_id"])
+    x = torch.nn.functional.normalize(torch.from_numpy(raw["sketch"][pos]).float(), dim=1).numpy()
+    ref_labels, ref_kept, ref_w, _ = reference_selection(x, 2)
+    np.testing.assert_array_equal(clusters["cluster"].to_numpy(), ref_labels)
+    ids = clusters["example_id"].to_numpy()
+    for r in (0, 1):
+        assert set(plan.loc[(plan["rank"] == r) & (plan["epoch"] == 0), "example_id"]) == set(ids[ref_kept[r]])
+        np.testing.assert_allclose(sel.set_index("example_id").loc[ids[ref_kept[r]], "weight"], ref_w[r], rtol=1e-12)
 
     # what each cluster holds: the rows' domain (the fixture's files have one source), sizes, selection, prompts
     prof = manifest["clustering"]
