@@ -266,9 +266,10 @@ def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for) -> dict:
         if c.get("features_reused", 0) == 0:
             times[key] = own_sketch
             _write_json(times_path, times)
-        elif c.get("features_computed", 0) == 0 and key in times:
-            charged = times[key]
-    selection_s = charged + sum(t.get(k, 0.0) for k in SELECTION_PASS if k != "sketch")
+        elif c.get("features_computed", 0) == 0:
+            # No record of the computation (it ran in a run that failed later): the pass is not known.
+            charged = times.get(key)
+    selection_s = None if charged is None else charged + sum(t.get(k, 0.0) for k in SELECTION_PASS if k != "sketch")
     plan = pd.read_parquet(Path(cfg.output.dir) / "plan.parquet")
     epochs = max(1, int(plan["epoch"].nunique()))
     for sub in ("final_model", "ray_train", "epochs"):  # ~0.5-2.5 GB each; the figures are read
@@ -276,7 +277,7 @@ def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for) -> dict:
     return {
         **epoch_figures(manifest),
         "selection_s": selection_s, "sketch_s_own": own_sketch, "train_s": t.get("train", 0.0),
-        "e2e_s": selection_s + t.get("train", 0.0), "wall_s": wall, "timings_s": t,
+        "e2e_s": None if selection_s is None else selection_s + t.get("train", 0.0), "wall_s": wall, "timings_s": t,
         "rows": int(plan.loc[plan["epoch"] == plan["epoch"].min(), "example_id"].nunique()),
         "tokens_per_epoch": int(plan["n_tokens"].sum()) // epochs, "candidates": int(c["candidates"]),
         "eval_scored": {Path(p).stem: v.get("scored") for p, v in manifest.get("eval_files", {}).items()},
@@ -398,7 +399,7 @@ def summarise(args, results: dict) -> dict:
     for arm in ("ours", "random_subset"):
         pts = [(args.budget, nat.get(arm))] + [(b, nat.get(f"{arm}@{b}")) for b in FRONTIER_BUDGETS]
         doc["frontier"][arm] = [{"budget": b, "macro_loss": f["macro_loss"], "e2e_s": f["e2e_s"]}
-                                for b, f in sorted(pts, key=lambda p: p[0]) if f]
+                                for b, f in sorted(pts, key=lambda p: p[0]) if f and f["e2e_s"] is not None]
     if nat.get("full"):
         doc["frontier"]["full"] = {"macro_loss": nat["full"]["macro_loss"], "e2e_s": nat["full"]["e2e_s"]}
     return doc
