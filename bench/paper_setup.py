@@ -278,7 +278,7 @@ def arm_config(arm: str, args, seed: int, paths: list[str], eval_paths: list[str
         "clustering": {"seed": seed} if preset else {"k": "auto", "seed": seed},
         "selection": {"seed": seed} if preset else
         {"strategy": sel, "budget": args.budget if budget is None else budget, "seed": seed},
-        "allocation": {"seed": seed} if preset else {"strategy": alloc, "seed": seed},
+        "allocation": {"seed": seed} if preset else {"strategy": alloc, "seed": seed, "packing": False},  # as the arms ran (packing: auto is the default since)
         "train": {"num_workers": args.workers, "use_gpu": False, "zero_stage": 2, "micro_batch_size": args.micro_batch,
                   "grad_accum": 1, "epochs": args.epochs, "lr": args.lr, "warmup_steps": 2, "seed": seed},
         "evaluation": evaluation,
