@@ -403,8 +403,11 @@ def unused_text_fields(row: dict, used: set[str], trained_text: str) -> list[str
     return out
 
 
-def columns_hint(fmt: str, field: str) -> str:
-    """The ``data.columns`` line that would train an unused ``field`` of a ``fmt`` row, for the warning."""
+def columns_hint(fmt: str, field: str, value: Any = "") -> str:
+    """The ``data.columns`` line that would train an unused ``field`` of a ``fmt`` row, for the warning; for a
+    field that is not a string (``data.columns`` joins strings only), what to do instead."""
+    if not isinstance(value, str) and fmt not in ("sharegpt", "messages"):
+        return f"{field!r} is a {type(value).__name__}, not text: write it into a text field of the rows first"
     target = {"alpaca": "instruction", "prompt_completion": "prompt", "question_answer": "question",
               "sharegpt": None, "messages": None}.get(fmt, "prompt")
     if target is None:
