@@ -53,8 +53,9 @@ class Plan:
         clusters: ``clusters.parquet``'s content (``example_id``, ``cluster`` int32, ``distance`` float32), one
             row per candidate; ``None`` when the config clusters nothing (``random``/``full`` selection with
             ``random``/``length`` allocation).
-        selection: ``selection.parquet``'s content: ``example_id``, ``cluster`` int32, ``reason`` str,
-            ``weight`` float64 (mean 1), the selected rows the plan trains.
+        selection: ``selection.parquet``'s content but its ``source_file``/``source_line`` (a run's file adds
+            where each row was read): ``example_id``, ``cluster`` int32, ``reason`` str, ``weight`` float64
+            (mean 1), the selected rows the plan trains.
         plan: ``plan.parquet``'s content (:data:`ray_cluster_ft.allocate.PLAN_COLUMNS`), in each rank's order.
         metrics: :func:`ray_cluster_ft.allocate.plan_metrics` of the plan (floats).
         pack_tokens: a packed plan's pack size in tokens (``train.max_tokens_per_micro_batch`` as set, or chosen

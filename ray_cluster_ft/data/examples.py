@@ -184,7 +184,7 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         per[fmt] = per.get(fmt, 0) + 1
         for name in left:
             unused.setdefault(src, {})[name] = unused.get(src, {}).get(name, 0) + 1
-            hints.setdefault(src, {}).setdefault(name, columns_hint(fmt, name))
+            hints.setdefault(src, {}).setdefault(name, columns_hint(fmt, name, row.get(name)))
         source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
         acc.pending.append((src, pos, row, msgs, source, domain))
         if len(acc.pending) >= tokenize_chunk:

@@ -381,7 +381,7 @@ def unused_text_fields(row: dict, used: set[str], trained_text: str) -> list[str
     """The row's text fields that its format did not use and whose text is not in ``trained_text`` anyway.
 
     A field counts as text when its name is in :data:`TEXT_FIELDS`, or when it holds a string (or strings in a
-    list or object) of three or more words; bookkeeping names (``source``, ``domain``, ``id``, ``url``,
+    list or object) of five or more words (a category such as MedQuAD's ``qtype: exams and tests`` is not); bookkeeping names (``source``, ``domain``, ``id``, ``url``,
     ``label``, ...) and names ending in ``_id`` never count. A field whose every string already appears in
     ``trained_text`` (``gpteacher``'s ``instruction`` inside its ``question``) is not lost and does not count.
 
@@ -395,7 +395,7 @@ def unused_text_fields(row: dict, used: set[str], trained_text: str) -> list[str
         texts = [t for t in _texts(value) if not is_blank(t)]
         if not texts:
             continue
-        if key not in TEXT_FIELDS and not any(len(t.split()) >= 3 for t in texts):
+        if key not in TEXT_FIELDS and not any(len(t.split()) >= 5 for t in texts):
             continue
         if all(t.strip() in trained_text for t in texts):
             continue
@@ -403,8 +403,11 @@ def unused_text_fields(row: dict, used: set[str], trained_text: str) -> list[str
     return out
 
 
-def columns_hint(fmt: str, field: str) -> str:
-    """The ``data.columns`` line that would train an unused ``field`` of a ``fmt`` row, for the warning."""
+def columns_hint(fmt: str, field: str, value: Any = "") -> str:
+    """The ``data.columns`` line that would train an unused ``field`` of a ``fmt`` row, for the warning; for a
+    field that is not a string (``data.columns`` joins strings only), what to do instead."""
+    if not isinstance(value, str) and fmt not in ("sharegpt", "messages"):
+        return f"{field!r} is a {type(value).__name__}, not text: write it into a text field of the rows first"
     target = {"alpaca": "instruction", "prompt_completion": "prompt", "question_answer": "question",
               "sharegpt": None, "messages": None}.get(fmt, "prompt")
     if target is None:

@@ -72,10 +72,14 @@ def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None)
             with an unused field, or no row of a file's sample is accepted (the reasons counted).
     """
     from ..model import load_tokenizer_only
-    from .read import count_rows
+    from .read import count_rows, expand_paths
     from .tokenize import marked_text
 
     d = cfg.data
+    # A missing file, an empty glob or a file of a refused format fails before the tokenizer is even imported.
+    counts = {p: count_rows(p) for p in expand_paths(d.paths)} if d.source == "files" else {}
+    for path in counts:
+        _refuse_unreadable(path, d, min(d.limit or sample_rows, sample_rows))
     try:
         tok = load_tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
     except (OSError, ValueError) as err:
@@ -94,7 +98,7 @@ def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None)
         if sum(reasons.values()) == n:
             raise ConfigError(f"data file {src}: none of its first {n} rows is accepted (rejected: {reasons}); "
                               f"see docs/data.md for the formats and data.columns")
-        files[src] = {"rows": count_rows(src) if d.source == "files" else None, "sampled": n,
+        files[src] = {"rows": counts.get(src), "sampled": n,
                       "rejected": sum(reasons.values()), "formats": sample.formats.get(src, {}),
                       "unused_fields": sample.unused.get(src, {})}
         print(f"[ray-cluster-ft] check: {src}: {files[src]['rows'] if files[src]['rows'] is not None else 'demo'} "
@@ -109,6 +113,28 @@ def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None)
         print(f"[ray-cluster-ft] check: example {k} as trained (masked text as is, trained text in [[ ]]):\n{ex}",
               file=out, flush=True)
     return {"files": files, "examples": examples}
+
+
+def _refuse_unreadable(path: str, d, limit: int) -> None:
+    """Raise ``ConfigError`` when none of the first ``limit`` rows of ``path`` is in a format of ``d``
+    (``data.format``, ``data.columns``), naming the reasons by category; no tokenizer needed."""
+    from .formats import canonical_row
+    from .read import Rejection, iter_file_rows
+
+    reasons: dict[str, int] = {}
+    n = 0
+    for _src, _pos, row in iter_file_rows(path, limit):
+        n += 1
+        try:
+            if isinstance(row, Rejection):
+                raise ValueError(row.reason)
+            canonical_row(row, d.format, d.columns)
+            return
+        except ValueError as err:
+            reasons[reason_category(str(err))] = reasons.get(reason_category(str(err)), 0) + 1
+    if n:
+        raise ConfigError(f"data file {path}: none of its first {n} rows is accepted (rejected: {reasons}); "
+                          f"see docs/data.md for the formats and data.columns")
 
 
 def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:

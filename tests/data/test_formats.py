@@ -127,8 +127,12 @@ def test_unused_text_fields_are_named_unless_already_trained():
     # gpteacher's rows: instruction and input are inside question already.
     row = {"question": "Write it.\n\nwidth: 5", "answer": "done", "instruction": "Write it.", "input": "width: 5"}
     assert canonical_row(row)[2] == []
-    assert canonical_row({"prompt": "p", "response": "r", "notes": "three or more words"})[2] == ["notes"]
-    assert canonical_row({"prompt": "p", "response": "r", "tag": "two words"})[2] == []
+    assert canonical_row({"prompt": "p", "response": "r", "notes": "five or more words here"})[2] == ["notes"]
+    assert canonical_row({"prompt": "p", "response": "r", "qtype": "exams and tests"})[2] == []
+    from ray_cluster_ft.data.formats import columns_hint
+
+    assert columns_hint("question_answer", "tests", ["assert f(1) == 2"]) == (
+        "'tests' is a list, not text: write it into a text field of the rows first")
 
 
 @pytest.mark.parametrize("row, reason", [
