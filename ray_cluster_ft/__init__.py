@@ -22,6 +22,10 @@ The stage packages keep their names (``ray_cluster_ft.train`` is the package, it
 ``ray_cluster_ft.train.train``). Configs are pydantic models (:class:`JobConfig` and its sections), read from YAML by :func:`load_config`.
 """
 
+from ._quiet import quiet_library_noise
+
+quiet_library_noise()  # before any stage imports DeepSpeed or Ray Data
+
 from .allocate import PlanResult, check_plan, make_plan, plan_metrics
 from .api import Features, Plan, compute_features, select_and_plan
 from .cluster import ClusterResult, cluster_sketches

@@ -38,11 +38,18 @@ class Features:
         features: float32 ``(N, d)``: ``d`` = ``sketch.dim`` (sketch), the hidden size (last_layer,
             hidden_mean) or 384 (embedding).
         n_tokens: int64 ``(N,)``: tokens of each row under the model's chat template.
+        examples: the rows as tokenized for training (``pyarrow.Table``: ``example_id`` string, ``input_ids`` and
+            ``labels`` list<int32> (prompt tokens -100), ``n_tokens`` int32; row i for input row i; whole rows
+            up to ``data.max_seq_len``, whatever ``sketch.max_tokens`` read): what
+            :class:`~ray_cluster_ft.integrations.torch.ExamplesDataset`,
+            :func:`~ray_cluster_ft.integrations.torch.plan_loss_weights` and the trainer integrations take, so the
+            library path needs no tokenisation of its own. ``None`` for a Features built by hand.
     """
 
     example_id: np.ndarray
     features: np.ndarray
     n_tokens: np.ndarray
+    examples: Any = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,8 @@ def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *
 
     Returns:
         :class:`Features`: ``example_id`` str ``(N,)``, ``features`` float32 ``(N, d)``, ``n_tokens`` int64
-        ``(N,)``, row i for input row i.
+        ``(N,)``, ``examples`` (the tokenized rows: ``example_id``, ``input_ids``, ``labels``, ``n_tokens``), row i
+        for input row i.
 
     Raises:
         TypeError: ``cfg`` is neither a JobConfig nor a SketchConfig, or ``rows_or_table`` neither rows nor a
@@ -133,7 +141,8 @@ def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *
 
     ids = np.asarray(table.column("example_id").to_pylist(), dtype=object)
     feats, _ = finish_features(raw, ids, sk.method, w or 1)
-    return Features(ids, feats, table.column("n_tokens").to_numpy().astype(np.int64))
+    return Features(ids, feats, table.column("n_tokens").to_numpy().astype(np.int64),
+                    table.select(["example_id", "input_ids", "labels", "n_tokens"]))
 
 
 def _sketch_settings(cfg) -> tuple[SketchConfig, JobConfig | None]:

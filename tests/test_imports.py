@@ -1,7 +1,7 @@
 """The import rules of docs/design.md, read from the source with ``ast`` (nothing is imported or run):
 
 - no import cycle between the package's modules;
-- imports follow the pipeline order: base (config, _presets, model, rundir) -> data -> features -> cluster ->
+- imports follow the pipeline order: base (config, _presets, _quiet, model, rundir) -> data -> features -> cluster ->
   select -> allocate -> train -> evaluate -> pipeline -> api, cli, integrations; a module imports nothing of a
   later layer (imports inside functions count);
 - the algorithm modules import no Ray and do no file I/O;
@@ -19,7 +19,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "ray_cluster_ft"
 
 LAYERS = {
-    "config": 0, "_config_load": 0, "_config_checks": 0, "_config_docs": 0, "_config_base": 0, "_config_train": 0, "_presets": 0, "model": 0, "rundir": 0,
+    "config": 0, "_config_load": 0, "_config_checks": 0, "_config_docs": 0, "_config_base": 0, "_config_train": 0, "_presets": 0, "_quiet": 0, "model": 0, "rundir": 0,
     "data": 1, "features": 2, "cluster": 3, "select": 4, "allocate": 5, "train": 6, "evaluate": 7,
     "pipeline": 8, "api": 9, "cli": 9, "integrations": 9,
 }

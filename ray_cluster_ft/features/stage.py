@@ -21,6 +21,7 @@ from ..config import SketchConfig
 from .inputs import prepare_sketch_inputs
 from .last_layer import normalise_last_layer
 from .sketchers import embedding_model_dir, make_sketcher
+from ._pool import _actor_resources, _layout_actors, _row_bar
 from ._shards import _SHARD_COLS, _finished_shards, _to_arrow, _write_atomic
 from .store import plan_shards, sketch_fingerprint
 
@@ -47,10 +48,10 @@ _SUBBATCHES_PER_RAY_BATCH = 8
 # of 64 (a shared file system or an object store pays per file; an interruption loses one shard per actor).
 _MAX_SHARDS = 500
 
-_IN_PROCESS_ROWS = 128
-"""With a feature store, at most this many missing rows (on the CPU) are sketched in the driver rather than by a
-fresh actor pool (:func:`compute_sketches`' ``in_process_rows``): the nightly job's few new rows. Measured on 2
-busy cores with a 16M-parameter model: 60 rows took 50 s through the pool (30 s of it the actors' start-up)."""
+# ``sketch.in_process_rows`` (default 128): at most that many rows left to sketch on the CPU are sketched in the
+# driver rather than by a fresh actor pool (compute_sketches' in_process_rows): a small job, or the nightly job's
+# few new rows. Measured on 2 busy cores with a 16M-parameter model: 60 rows took 50 s through the pool (30 s of it
+# the actors' start-up); 40 rows of the demo model took 241 s through the pool under load 10-50.
 
 
 class ShardSketcher:
@@ -128,44 +129,21 @@ class ShardSketcher:
         return {k: np.asarray(v) for k, v in out.items()}
 
 
-def _actor_resources(cfg: SketchConfig, use_gpu: bool, gpu_actors: int | None = None) -> tuple[int, float]:
-    """(number of actors, CPUs each) for the sketch pool.
-
-    Actors: ``cfg.num_actors``; else with ``use_gpu`` ``gpu_actors`` (the job's ``train.num_workers``: on an
-    autoscaling cluster the GPUs present at start are 0 or 1, and Ray's autoscaler brings up the ones asked
-    for), or one per GPU present; else one per CPU; at least 1.
-    CPUs: 1 each, but never more than ``CPU - 1`` in all: a pool holding every CPU starves Ray Data's read
-    and write tasks, and the job hangs (seen with ``read_parquet`` on 2 CPUs). A fractional share still
-    runs one torch thread (Ray sets ``OMP_NUM_THREADS`` to ``max(1, floor(cpus))``).
-    """
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="local")  # never whatever cluster a stale /tmp/ray file names
-    res = ray.cluster_resources()
-    n_cpu = float(res.get("CPU", 1.0))
-    if cfg.num_actors is not None:
-        n = cfg.num_actors
-    elif use_gpu:
-        n = max(1, int(gpu_actors if gpu_actors is not None else res.get("GPU", 0)))
-    else:
-        n = max(1, int(n_cpu))
-    return n, min(1.0, max(n_cpu - 1.0, 0.0) / n)
-
-
 def _sketch_here(table, pending, cfg: SketchConfig, model_path: str, out: Path, trust_remote_code: bool,
                  pad_token_id: int, fail_on_shard: int | None) -> None:
     """The pending shards sketched in this process by one :class:`ShardSketcher` on the CPU, shard by shard, in
-    the numpy batch format Ray Data hands an actor (object arrays of token arrays)."""
+    the numpy batch format Ray Data hands an actor (object arrays of token arrays); one tqdm bar of rows."""
     sketcher = ShardSketcher(cfg.method, model_path, cfg.model_dump(), str(out.resolve()), trust_remote_code,
                              pad_token_id, device="cpu", fail_on_shard=fail_on_shard)
-    for s in pending:
-        t = table.slice(s.start, s.stop - s.start)
-        batch = {c: t.column(c).to_numpy() for c in t.column_names}
-        n = t.num_rows
-        batch.update(_shard=np.full(n, s.index, dtype=np.int32), _shard_file=np.asarray([s.file] * n),
-                     _shard_rows=np.full(n, n, dtype=np.int32))
-        sketcher(batch)
+    with _row_bar(sum(s.stop - s.start for s in pending)) as bar:
+        for s in pending:
+            t = table.slice(s.start, s.stop - s.start)
+            batch = {c: t.column(c).to_numpy() for c in t.column_names}
+            n = t.num_rows
+            batch.update(_shard=np.full(n, s.index, dtype=np.int32), _shard_file=np.asarray([s.file] * n),
+                         _shard_rows=np.full(n, n, dtype=np.int32))
+            sketcher(batch)
+            bar.update(n)
 
 
 def _default_shard_rows(n_rows: int, cfg: SketchConfig, use_gpu: bool, gpu_actors: int | None) -> int:
@@ -180,7 +158,7 @@ def _default_shard_rows(n_rows: int, cfg: SketchConfig, use_gpu: bool, gpu_actor
         return rows
     if n_rows > rows * _MAX_SHARDS:
         return -(-n_rows // _MAX_SHARDS)
-    n_actors, _ = _actor_resources(cfg, use_gpu, gpu_actors)
+    n_actors, _ = _layout_actors(cfg, use_gpu, gpu_actors)
     if n_rows >= rows * n_actors:
         return rows
     return max(cfg.batch_size, min(rows, -(-n_rows // n_actors)))
@@ -357,8 +335,9 @@ def sketch_with_store(table: pa.Table, model_path: str | None, cfg: SketchConfig
                       gpu_actors: int | None = None, shard_rows: int | None = None) -> tuple[dict, dict]:
     """Every row's feature: from the feature store (``cfg.store``) where it holds the row for these settings and
     this model, else computed by :func:`compute_sketches` into ``out_dir`` (resumable shards; at most
-    :data:`_IN_PROCESS_ROWS` missing rows on the CPU are sketched in this process, not by an actor pool) and then
-    added to the store. Without ``cfg.store``, :func:`compute_sketches` on all rows.
+    ``cfg.in_process_rows`` missing rows on the CPU are sketched in this process, not by an actor pool) and then
+    added to the store. Without ``cfg.store``, :func:`compute_sketches` on all rows (in this process, too, when
+    they are at most ``cfg.in_process_rows``).
 
     The store key (:func:`~ray_cluster_ft.features.feature_store.store_key`: settings, model content
     fingerprint, device kind) is computed in both cases: it is the summary's ``feature_key``, which the cluster
@@ -395,7 +374,7 @@ def sketch_with_store(table: pa.Table, model_path: str | None, cfg: SketchConfig
     key, desc = store_key(cfg, model_path, use_gpu)
     desc_summary = {"settings": desc["settings"], "model": _digest(desc["model"]), "gpu": desc["gpu"]}
     args = {"use_gpu": use_gpu, "trust_remote_code": trust_remote_code, "pad_token_id": pad_token_id,
-            "shard_rows": shard_rows, "gpu_actors": gpu_actors}
+            "shard_rows": shard_rows, "gpu_actors": gpu_actors, "in_process_rows": cfg.in_process_rows}
     if not cfg.store:
         summary = compute_sketches(table, model_path, cfg, out_dir, **args)
         summary.update(features_computed=summary["rows_computed"], features_reused=summary["rows_reused"],
@@ -414,8 +393,7 @@ def sketch_with_store(table: pa.Table, model_path: str | None, cfg: SketchConfig
     found = store.read(ids, hashes)
     parts_read = found["parts_read"]
     todo = ~np.isin(ids, found["example_id"])
-    summary = compute_sketches(table.filter(pa.array(todo)), model_path, cfg, out_dir, **args,
-                               in_process_rows=_IN_PROCESS_ROWS)
+    summary = compute_sketches(table.filter(pa.array(todo)), model_path, cfg, out_dir, **args)
     parts = []
     if todo.any():
         new = read_sketches(out_dir)
@@ -452,12 +430,14 @@ def sketch_in_process(table, model_path: str, sk: SketchConfig, trust: bool, pad
     fn = make_sketcher(sk.method, model_path, sk.model_dump(), trust, pad_token_id)
     step = _SUBBATCHES_PER_RAY_BATCH * sk.batch_size  # a shard of compute_sketches: the same sub-batches
     ids, out = [], []
-    for lo in range(0, table.num_rows, step):
-        part = table.slice(lo, step)
-        # Ray Data's numpy batch format: ragged list columns as 1-D object arrays of arrays.
-        res = fn({c: part.column(c).to_numpy(zero_copy_only=False) for c in part.column_names})
-        ids.extend(res["example_id"].tolist())
-        out.append(res["sketch"])
+    with _row_bar(table.num_rows) as bar:
+        for lo in range(0, table.num_rows, step):
+            part = table.slice(lo, step)
+            # Ray Data's numpy batch format: ragged list columns as 1-D object arrays of arrays.
+            res = fn({c: part.column(c).to_numpy(zero_copy_only=False) for c in part.column_names})
+            ids.extend(res["example_id"].tolist())
+            out.append(res["sketch"])
+            bar.update(part.num_rows)
     return {"example_id": np.asarray(ids, dtype=object), "sketch": np.concatenate(out)}
 
 

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import Trainer, TrainingArguments
 
 from ..train.step import token_exact_loss
+from ._launch import world_size_message
 from .torch import (
     ExamplesDataset,
     PlanBatchSampler,
@@ -107,6 +108,12 @@ def _token_table(dataset, ids: Sequence[str], positions: np.ndarray) -> pa.Table
     rows_ids, rows_labels = [], []
     for p in positions.tolist():
         item = dataset[p]
+        if "input_ids" not in item:
+            raise ValueError(
+                f"train_dataset row {p} has no input_ids (its fields: {sorted(item)[:8]}): PlanTrainer trains "
+                f"tokenized rows. Pass ExamplesDataset(pd.read_parquet(f'{{run_dir}}/examples.parquet')) (the "
+                f"run's tokens), ExamplesDataset(compute_features(...).examples), or tokenize the rows first "
+                f"(input_ids, labels with -100 on the prompt)")
         x = item["input_ids"]
         y = item.get("labels") if item.get("labels") is not None else x
         rows_ids.append(np.asarray(x, dtype=np.int64).ravel().tolist())
@@ -175,11 +182,8 @@ class PlanTrainer(Trainer):
         args = copy.copy(args) if args is not None else TrainingArguments(output_dir="tmp_trainer")
         shape = plan_shape(plan)
         if shape.world_size != args.world_size:
-            raise ValueError(
-                f"the plan is for {shape.world_size} ranks but this run has {args.world_size} processes; launch "
-                f"{shape.world_size} (accelerate launch --num_processes {shape.world_size}, torchrun "
-                f"--nproc_per_node {shape.world_size}) or re-plan for {args.world_size}"
-            )
+            raise ValueError(world_size_message(shape.world_size, args.world_size, "this Trainer",
+                                                use_cpu=bool(args.use_cpu)))
         if args.auto_find_batch_size:
             raise ValueError("auto_find_batch_size would change the planned micro-batch size; turn it off")
         if args.n_gpu > 1:

@@ -27,7 +27,7 @@ __all__ = ["plan_data_config", "plan_datasets", "rank_shard"]
 
 
 def plan_datasets(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_size: int,
-                  weights: pd.Series | None = None, *, name: str = "train") -> dict:
+                  weights: pd.Series | None = None, *, name: str = "train", address: str | None = None) -> dict:
     """One Ray dataset per rank, for ``TorchTrainer(datasets=...)``.
 
     Args:
@@ -37,6 +37,8 @@ def plan_datasets(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_s
         weights: per-example loss weights indexed by ``example_id`` (``selection.parquet``'s ``weight``);
             ``None`` weighs every example 1.
         name: dataset name prefix; the keys are ``f"{name}_rank{r}"``.
+        address: the Ray cluster to join when this process has no Ray yet (``auto``, ``host:port``,
+            ``ray://...``), as the command line's ``--address``; default ``$RAY_ADDRESS``, else a new local Ray.
 
     Returns:
         ``{f"{name}_rank{r}": ray.data.Dataset}`` for r in ``0..world_size-1``; rows in rank r's plan order with
@@ -44,8 +46,9 @@ def plan_datasets(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_s
         ``weight`` and ``step_weighted_tokens`` (float64).
 
     Without a Ray in this process, one is started the way every entry point starts it
-    (:func:`ray_cluster_ft.pipeline.session.ensure_ray`: a new local Ray unless ``$RAY_ADDRESS`` names one) and
-    left running for the trainer.
+    (:func:`ray_cluster_ft.pipeline.session.ensure_ray`: a new local Ray unless ``address`` or ``$RAY_ADDRESS``
+    names one, never the cluster a stale ``/tmp/ray`` file or another user's ``ray start`` recorded) and left
+    running for the trainer.
 
     Raises:
         ValueError: a plan for another world size or one ``check_plan`` rejects; plan ids missing from
@@ -56,7 +59,7 @@ def plan_datasets(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_s
 
     shape = plan_shape(plan, world_size)
     tables = build_rank_tables(plan, examples, shape.world_size, weights)
-    ensure_ray()
+    ensure_ray(address)
     out = {}
     for r, t in enumerate(tables):
         ds = ray.data.from_arrow(t)

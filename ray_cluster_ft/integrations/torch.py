@@ -48,6 +48,7 @@ from ..data.collate import collate, pack
 from ..train import build_rank_tables
 from ..train.rank_data import MICRO_BATCH_KEY, label_token_counts
 from ..train.step import token_exact_loss
+from ._launch import world_size_message
 
 __all__ = [
     "ExamplesDataset",
@@ -99,8 +100,9 @@ def plan_shape(plan: pd.DataFrame, world_size: int | None = None, packed: bool =
         :class:`PlanShape`.
 
     Raises:
-        ValueError: not a DataFrame, missing columns, an empty plan, or a plan ``check_plan`` rejects (uneven
-            micro-batch counts, a rank outside ``0..world_size-1``, a step missing a rank, ...).
+        ValueError: not a DataFrame, missing columns, an empty plan, a ``world_size`` other than the plan's
+            (the message names the launcher's own process count where ``WORLD_SIZE`` is set), or a plan
+            ``check_plan`` rejects (uneven micro-batch counts, a step missing a rank, ...).
     """
     if not isinstance(plan, pd.DataFrame):
         raise ValueError(f"plan must be a pandas DataFrame (plan.parquet), got {type(plan).__name__}")
@@ -109,7 +111,10 @@ def plan_shape(plan: pd.DataFrame, world_size: int | None = None, packed: bool =
         raise ValueError(f"plan is missing columns {missing} (has {list(plan.columns)})")
     if plan.empty:
         raise ValueError("plan is empty: nothing to train")
-    w = int(plan["rank"].max()) + 1 if world_size is None else int(world_size)
+    planned = int(plan["rank"].max()) + 1
+    if world_size is not None and int(world_size) != planned:
+        raise ValueError(world_size_message(planned, int(world_size), "this job"))
+    w = planned
     b = int(plan.groupby(["rank", "step", "micro_index"], sort=False).size().max())
     g = int(plan["micro_index"].max()) + 1
     steps = check_plan(plan.drop_duplicates(["rank", "epoch", "step", "micro_index"]), w, 1, g) if packed else \

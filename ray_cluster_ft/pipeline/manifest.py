@@ -43,7 +43,6 @@ def versions() -> dict:
     """Versions of the packages a run's figures depend on."""
     from importlib.metadata import version
 
-    import deepspeed
     import ray
     import sklearn
     import torch
@@ -54,7 +53,8 @@ def versions() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ray": ray.__version__,
-        "deepspeed": deepspeed.__version__,
+        # Read from the metadata: importing DeepSpeed costs 5-20 s on 2 cores, more than a small select run.
+        "deepspeed": version("deepspeed"),
         "transformers": transformers.__version__,
         "scikit-learn": sklearn.__version__,
         "numpy": np.__version__,

@@ -71,7 +71,8 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     check_module_patterns(cfg, ds.model_path, clustered)
 
     feats = clusters = trained = before = after = epochs = None
-    with ray_session(address, cfg.train.use_gpu) as started_ray:
+    needs_ray = not plan_only or (clustered and not _features_in_driver(cfg, cand.num_rows))
+    with _session(needs_ray, address, cfg.train.use_gpu) as started_ray:
         # A plan for any world size may be made on a laptop: only training needs the workers' resources.
         if started_ray and not plan_only and not (address or os.environ.get("RAY_ADDRESS")):
             check_local_resources(cfg)
@@ -138,12 +139,26 @@ def run_features(cfg: JobConfig, address: str | None = None) -> dict:
         raise ConfigError(f"no candidate rows to featurise: {ds.result.n_read} read, {len(ds.result.rejected)} "
                           f"rejected, {ds.result.eval.num_rows} held out")
     check_module_patterns(cfg, ds.model_path, True)
-    with ray_session(address, cfg.train.use_gpu):
+    with _session(not _features_in_driver(cfg, cand.num_rows), address, cfg.train.use_gpu):
         feats = _features(cfg, run_dir, ds, timer)
     manifest = features_manifest(cfg, run_dir, timer, data=ds, features=feats)
     claim(run_dir, "manifest.json")
     write_manifest(run_dir, manifest)
     return manifest
+
+
+def _features_in_driver(cfg: JobConfig, n_candidates: int) -> bool:
+    """Whether every feature is computed in the driver (``sketch.in_process_rows``: a small CPU job), so that a run
+    which trains nothing needs no Ray: no warm-up (a Ray Train run) and at most that many rows to sketch."""
+    return not cfg.train.use_gpu and not cfg.sketch.warmup_steps and n_candidates <= cfg.sketch.in_process_rows
+
+
+def _session(needed: bool, address: str | None, use_gpu: bool):
+    """:func:`ray_session`, or no Ray at all when the run needs none (a small plan-only run): starting a local Ray
+    costs 10-40 s on 2 cores, more than sketching 40 rows."""
+    import contextlib
+
+    return ray_session(address, use_gpu) if needed else contextlib.nullcontext(False)
 
 
 def _prepare(cfg: JobConfig, run_dir: Path, resume: bool, before_spec=None) -> tuple:

@@ -82,6 +82,16 @@ def test_compute_features_in_process_matches_the_runs_sketches(plan_only_run, ti
     assert got.example_id.tolist() == ids
     assert got.features.dtype == np.float32 and got.features.shape == feats.shape
     np.testing.assert_array_equal(got.n_tokens, examples.column("n_tokens").to_numpy())
+    # The tokens handed back are the data stage's (examples.parquet), ready for the trainer integrations.
+    cols = ["example_id", "input_ids", "labels", "n_tokens"]
+    assert got.examples.column_names == cols and got.examples.equals(examples.select(cols))
+    from ray_cluster_ft.integrations.torch import plan_loss_weights
+
+    plan = pd.read_parquet(out / "plan.parquet")
+    weights = pd.read_parquet(out / "selection.parquet").set_index("example_id")["weight"]
+    labels = dict(zip(ids, examples.column("labels").to_pylist()))
+    for mw in plan_loss_weights(plan, got.examples, 1, weights):  # |T_i|: label tokens after the first position
+        assert mw.label_tokens.tolist() == [sum(t != -100 for t in labels[i][1:]) for i in mw.example_ids]
     # Same sub-batches as the run's actors; only the thread count differs.
     np.testing.assert_allclose(got.features, feats, rtol=0, atol=2e-5)
     # An already tokenized table gives the same features.

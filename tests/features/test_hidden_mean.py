@@ -16,7 +16,7 @@ from ray_cluster_ft.features.hidden_mean import base_transformer, hidden_mean_fe
 from ray_cluster_ft.features.sketchers import HiddenMeanSketcher, make_sketcher
 from ray_cluster_ft.model import load_model
 from tests.conftest import local_ray_kwargs
-from tests.test_plan_pin import FIXTURE
+from tests._pins import FIXTURE
 
 from ._helpers import examples as _examples
 from ._helpers import pad as _pad

@@ -94,7 +94,8 @@ def test_plan_trainer_errors(tmp_path, tiny_model_dir):
     made = make_run(tmp_path / "run", n=16, world=2, mbs=2, ga=2, epochs=1)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     data = ExamplesDataset(made["examples"])
-    with pytest.raises(ValueError, match="the plan is for 2 ranks but this run has 1 processes"):
+    with pytest.raises(ValueError, match="the plan is for 2 ranks but this Trainer runs 1 process: this is a single "
+                                         "process started without a launcher"):
         PlanTrainer(model=model, args=_args(tmp_path / "o"), train_dataset=data, plan=made["plan"])
     one = make_run(tmp_path / "run1", n=8, world=1, mbs=2, ga=2, epochs=1)
     with pytest.raises(ValueError, match="not in the dataset"):
@@ -106,6 +107,10 @@ def test_plan_trainer_errors(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="auto_find_batch_size"):
         PlanTrainer(model=model, args=_args(tmp_path / "o", auto_find_batch_size=True), train_dataset=data,
                     plan=one["plan"])
+    raw = [{"example_id": f"ex{i:03d}", "prompt": "p", "completion": "c"} for i in range(16)]
+    with pytest.raises(ValueError, match=r"train_dataset row 0 has no input_ids \(its fields: \['completion', "
+                                         r"'example_id', 'prompt'\]\): PlanTrainer trains tokenized rows"):
+        PlanTrainer(model=model, args=_args(tmp_path / "o"), train_dataset=raw, plan=one["plan"])
     with pytest.raises(ValueError, match="needs the example id of every train_dataset row"):
         PlanTrainer(model=model, args=_args(tmp_path / "o"), train_dataset=[{"input_ids": [1, 2]}] * 8,
                     plan=one["plan"])

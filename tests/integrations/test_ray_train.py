@@ -16,7 +16,7 @@ from ._helpers import make_run, planned_rows, readme_example
 
 def test_plan_datasets_and_config_without_workers(tmp_path):
     made = make_run(tmp_path / "run")
-    with pytest.raises(ValueError, match="rank 2 has no micro-batches"):
+    with pytest.raises(ValueError, match="the plan is for 2 ranks but this job runs 3 processes"):
         plan_datasets(made["plan"], made["examples"], 3)
     with pytest.raises(ValueError, match="not in examples"):
         plan_datasets(made["plan"], made["examples"].slice(1), 2)
@@ -25,6 +25,33 @@ def test_plan_datasets_and_config_without_workers(tmp_path):
     assert cfg._datasets_to_split == ["eval"]
     assert any(getattr(v, "preserve_order", False) for v in opts.values())
     assert plan_data_config()._datasets_to_split == []
+
+
+def test_plan_datasets_start_a_new_local_ray_or_join_the_address_given(tmp_path, monkeypatch):
+    """As the command line: never a plain ray.init() (which joins whatever cluster ray start last recorded)."""
+    import ray
+
+    from ray_cluster_ft.config import ConfigError
+
+    made = make_run(tmp_path / "run")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    calls = []
+
+    def fake_init(**kw):
+        calls.append(kw["address"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    with pytest.raises(ConfigError, match="could not start a local Ray: stop here"):
+        plan_datasets(made["plan"], made["examples"], 2)
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    with pytest.raises(ConfigError, match="could not join Ray at 'auto': stop here"):
+        plan_datasets(made["plan"], made["examples"], 2)
+    assert calls == ["local", "auto"]
+    with pytest.raises(ConfigError, match="cannot reach a Ray cluster at '127.0.0.1:1'"):
+        plan_datasets(made["plan"], made["examples"], 2, address="127.0.0.1:1")
+    assert calls == ["local", "auto"]  # refused before ray.init
 
 
 def _report_ids(config):

@@ -91,7 +91,7 @@ def test_sampler_errors(run):
     with pytest.raises(ValueError, match="must be a pandas DataFrame"):
         PlanBatchSampler(plan.to_dict(), ids, 0)
     # a world size other than the plan's
-    with pytest.raises(ValueError, match="rank 2 has no micro-batches"):
+    with pytest.raises(ValueError, match="the plan is for 2 ranks but this job runs 3 processes"):
         PlanBatchSampler(plan, ids, 0, world_size=3)
     # an uneven plan: rank 1 loses its last step
     last = plan["step"].max()
