@@ -90,7 +90,7 @@ def test_compute_features_in_process_matches_the_runs_sketches(plan_only_run, ti
     plan = pd.read_parquet(out / "plan.parquet")
     weights = pd.read_parquet(out / "selection.parquet").set_index("example_id")["weight"]
     labels = dict(zip(ids, examples.column("labels").to_pylist()))
-    for mw in plan_loss_weights(plan, got.examples, 1, weights):  # |T_i|: label tokens after the first position
+    for mw in plan_loss_weights(plan, got.examples, 1, weights, packed=True):  # |T_i|: label tokens after the first position
         assert mw.label_tokens.tolist() == [sum(t != -100 for t in labels[i][1:]) for i in mw.example_ids]
     # Same sub-batches as the run's actors; only the thread count differs.
     np.testing.assert_allclose(got.features, feats, rtol=0, atol=2e-5)

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests._pins import FILES_PINNED, PINNED_COLUMNS, content_hash, files_spec, matches_pins
+from tests._pins import FILES_FULL_PINNED, assert_full_pins, files_spec, full_pins
 
 
 def _cli(*argv):
@@ -59,8 +59,7 @@ def test_a_run_after_the_prefetch_reads_every_feature_and_plans_the_same(prefetc
     assert (m["counts"]["features_computed"], m["counts"]["features_reused"]) == (0, m["counts"]["candidates"])
     assert m["sketch"]["store_parts_read"] == 1
     # The same features as the pinned run without a store: the same clusters, selection and plan.
-    got = {name: content_hash(tmp / "run" / f"{name}.parquet", cols)[:16] for name, cols in PINNED_COLUMNS.items()}
-    assert matches_pins(got, FILES_PINNED, "files")
+    assert_full_pins(full_pins(tmp / "run"), FILES_FULL_PINNED)
     assert "Features: 0 computed" in (tmp / "run" / "report.md").read_text()
 
     # Reusing that run's cluster map: every row keeps its cluster; no rows are new, so no drift.

@@ -322,5 +322,7 @@ def test_evaluate_model_path_adds_task_metrics(tiny_model_dir, demo_tokenizer):
     assert all(r["correct"] == (r["prediction"] == r["gold"]) and r["gold"] in "ABCD" for r in mc)
     assert np.mean([r["gold_prob"] for r in mc]) == pytest.approx(res["medical"]["mc_gold_prob"], abs=1e-5)
     code = [r for r in samples if r["kind"] == "code"]
-    assert {s: [r["status"] for r in code].count(s) for s in res["code"]["code_status"]} == res["code"]["code_status"]
+    # Against the same run's counts: a program near the time limit may time out in one run and fail in another.
+    assert {s: [r["status"] for r in code].count(s) for s in again["code"]["code_status"]} == \
+        again["code"]["code_status"]
     assert all(isinstance(r["completion"], str) and len(r["stderr"]) <= 500 for r in code)
