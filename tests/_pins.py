@@ -40,6 +40,14 @@ fingerprints are unchanged.
 Both re-pins meet in the merged code: its pins were taken from ``select`` runs of both specs; ``examples`` hashes as
 issue 28's pin, ``clusters``, ``centroids`` and ``plan`` as issue 31's, and ``selection`` and the exports carry
 issue 31's rows with issue 28's two columns.
+
+The in-driver sketching of small jobs (issue 29: ``sketch.in_process_rows``) computes the files spec's features in
+the driver instead of an actor, so their float bits moved (the values within 2e-5), and with them the bit-exact
+c56fe9a-style pins of ``clusters`` (its ``distance`` column): those pins, which hashed float bits and had already
+needed a second value for this machine's CPU, are gone; every artifact is pinned above with floats compared to
+a tolerance. Labels, rows, ranks and steps are still compared exactly. ``source_file`` is pinned by its file
+name: it holds the absolute path the data was read from, which depends on where the checkout is (CI's is not
+this machine's), so the files spec's ``examples``, ``selection`` and export pins were taken again that way.
 """
 
 from __future__ import annotations
@@ -55,44 +63,29 @@ import pyarrow.parquet as pq
 FIXTURE = Path(__file__).parent / "fixtures" / "mixed_120.jsonl"
 """120 real rows: MBPP train, GPTeacher codegen and MedQuAD."""
 
-# sha256 prefixes of content_hash() for the spec of files_spec() and for jobs/demo.yaml, at c56fe9a (plan: since
-# the per-epoch re-cut and the packed default, files selection: since the packed default; see the module docstring).
-FILES_PINNED = {"clusters": "41fee4bbe8ae827c", "selection": "a114515a508e62a4", "plan": "dd30fcaf7fb6b68d"}
-DEMO_PINNED = {"clusters": "b19770f52c992e1e", "selection": "062c18da1c1e122a", "plan": "73b0f7bf296bcaef"}
-
-
-# The columns pinned: those the files had at c56fe9a (selection.parquet has since gained ``weight``).
-PINNED_COLUMNS = {"clusters": None, "selection": ["example_id", "cluster", "reason"], "plan": None}
-
-
 # table_pin() of every --plan-only artifact and of the select command's exports, at 2da9d3c (issue 27), as
 # {"hash": 16 hex digits of everything but the floats, "floats": {column: fingerprint}}. selected.jsonl: the
 # same split over its rows' fields.
 FILES_FULL_PINNED = {
-    "examples": {"hash": "62679b8ffe22b39e", "floats": {}},
-    "clusters": {"hash": "89e74a4c960fa814", "floats": {"distance": [102.0, 42.34088254, 42.34088254, 43.113882059]}},
-    "centroids": {"hash": "62dd073a32ec8862", "floats": {"centroid": [256.0, -1.290704938, 26.139422747, -2.267376985]}},
-    "selection": {"hash": "6298f6541543a216", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
+    "examples": {"hash": "42c986d7bf8e98b9", "floats": {}},
+    "clusters": {"hash": "89e74a4c960fa814", "floats": {"distance": [102.0, 42.34088093, 42.34088093, 43.113880368]}},
+    "centroids": {"hash": "62dd073a32ec8862", "floats": {"centroid": [256.0, -1.290705048, 26.139423466, -2.267377079]}},
+    "selection": {"hash": "c10ab52f25185a9b", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
     "plan": {"hash": "5ee84dfac00e25a7", "floats": {}},
 }
 FILES_SELECTED_PINNED = {
-    "selected.jsonl": {"hash": "fcd05e17774e014f", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
-    "selected.parquet": {"hash": "5879da7132114fd6", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
+    "selected.jsonl": {"hash": "34444540ace2a48a", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
+    "selected.parquet": {"hash": "10422b0bba586028", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
 }
 DEMO_FULL_PINNED = {
     "examples": {"hash": "527cf91b285b0a84", "floats": {}},
     "clusters": {"hash": "2f095f31d1611632", "floats": {"distance": [278.0, 97.78961122, 97.78961122, 101.905561482]}},
     "centroids": {"hash": "b4992cf76b3d19f2", "floats": {"centroid": [1280.0, -1.160033746, 63.895792676, -0.450451279]}},
-    "selection": {"hash": "32f23b08ed1fbe9b", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},
+    "selection": {"hash": "7ebd0a3a33bee244", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},
     "plan": {"hash": "a644d774162e0c8a", "floats": {}},
-    "selected.jsonl": {"hash": "0127775dc2081663", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},
-    "selected.parquet": {"hash": "385862ad0757fc39", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},
+    "selected.jsonl": {"hash": "48d5d7450ffa7cfc", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},
+    "selected.parquet": {"hash": "7e0d16eb6a9bae0d", "floats": {"weight": [86.0, 86.0, 86.0, 88.611293581]}},
 }
-# The c56fe9a clusters pins (content_hash: float bits included) as this project's 2-core AMD EPYC machines
-# compute them (AVX2, no AVX-512): the float32 distance column differs in its last bits from the machine the pins
-# were taken on, while the labels, the selection and the plan hash the same. Either value passes; the full pins
-# above compare floats to a tolerance instead, so they hold on both.
-CLUSTERS_HERE = {"files": "f889e8544fedd911", "demo": "8318b3d4eba36c04"}
 FULL_ARTIFACTS = ("examples", "clusters", "centroids", "selection", "plan")
 SELECTED = ("selected.jsonl", "selected.parquet")
 
@@ -122,7 +115,7 @@ def _pin(h, floats: dict) -> dict:
 def table_pin(path: Path) -> dict:
     """The pin of a Parquet table: sha256 (16 hex digits) of its schema without metadata, the ``ray_cluster_ft``
     metadata value (the map settings a centroids file carries) and every non-float column's values as JSON, in
-    order; and a :func:`_fingerprint` of each float column (list columns flattened)."""
+    order (``source_file`` by its file name); and a :func:`_fingerprint` of each float column (list columns flattened)."""
     t = pq.read_table(path)
     h = hashlib.sha256(str(t.schema.remove_metadata()).encode())
     h.update((t.schema.metadata or {}).get(b"ray_cluster_ft", b""))
@@ -134,8 +127,11 @@ def table_pin(path: Path) -> dict:
                 col = col.flatten()
             floats[name] = _fingerprint(col.to_numpy(zero_copy_only=False))
         else:
+            values = col.to_pylist()
+            if name == "source_file":  # an absolute path: the checkout's place is not the artifact's content
+                values = [None if v is None else Path(v).name for v in values]
             h.update(name.encode())
-            h.update(json.dumps(col.to_pylist()).encode())
+            h.update(json.dumps(values).encode())
     return _pin(h, floats)
 
 
@@ -146,6 +142,8 @@ def jsonl_pin(path: Path) -> dict:
     floats: dict[str, list] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
+        if isinstance(row.get("source_file"), str):
+            row["source_file"] = Path(row["source_file"]).name  # as in table_pin
         for key in [k for k, v in row.items() if isinstance(v, float)]:
             floats.setdefault(key, []).append(row.pop(key))
         h.update(json.dumps(row).encode())
@@ -174,19 +172,6 @@ def assert_full_pins(got: dict, pinned: dict) -> None:
             np.testing.assert_allclose(got[name]["floats"][col], fp, rtol=FLOAT_RTOL, atol=1e-6, err_msg=f"{name}.{col}")
 
 
-def content_hash(path: Path, columns: list[str] | None = None) -> str:
-    """sha256 of a Parquet table's schema (metadata dropped) and every column's values, in order."""
-    t = pq.read_table(path, columns=columns)
-    h = hashlib.sha256(str(t.schema.remove_metadata()).encode())
-    for name in t.column_names:
-        col = t.column(name).combine_chunks()
-        h.update(name.encode())
-        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-            h.update("\x00".join(col.to_pylist()).encode())
-        else:
-            h.update(np.ascontiguousarray(col.to_numpy(zero_copy_only=False)).tobytes())
-    return h.hexdigest()
-
 
 def files_spec(model_dir: Path) -> dict:
     """120 real rows (MBPP train, GPTeacher codegen, MedQuAD), the tiny model, W = 2, 40% budget."""
@@ -195,13 +180,3 @@ def files_spec(model_dir: Path) -> dict:
             "sketch": {"batch_size": 8, "k_in": 8, "k_out": 8, "dim": 64, "num_actors": 1},
             "clustering": {"k": "auto"}, "selection": {"budget": 0.4},
             "train": {"num_workers": 2, "micro_batch_size": 4, "epochs": 2}}
-
-
-def pinned_hashes(out: Path) -> dict:
-    """The c56fe9a-style pins (:data:`PINNED_COLUMNS`) of a run directory."""
-    return {name: content_hash(out / f"{name}.parquet", cols)[:16] for name, cols in PINNED_COLUMNS.items()}
-
-
-def matches_pins(got: dict, pinned: dict, spec: str) -> bool:
-    """``got`` equals ``pinned``, or ``pinned`` with the clusters hash of :data:`CLUSTERS_HERE`."""
-    return got in (pinned, {**pinned, "clusters": CLUSTERS_HERE[spec]})
