@@ -65,7 +65,8 @@ ARMS = {
     "full": ("all candidates", {"selection": {"strategy": "full"}}),
     "ours": ("the product's defaults", {}),
     # The random arms plan at random too: no features, no clusters, so no selection pass (the first run, at
-    # 8e5d9ee, kept the cluster plan and so read the features; see docs/benchmarks.md).
+    # 8e5d9ee, kept the cluster plan and so read the features; see docs/benchmarks.md). The random plan is
+    # padded and drops what does not fill whole steps of W x B rows: fewer than W x B = 8 of ours' rows.
     "random_subset": ("random rows, as many as ours trained",
                       {"selection": {"strategy": "random"}, "allocation": {"strategy": "random"}}),
     "random_tokens": ("random rows up to ours' tokens",

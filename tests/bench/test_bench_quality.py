@@ -127,7 +127,8 @@ def test_a_quick_run_scores_every_epoch_and_resumes(tiny_model_dir, tmp_path):
     doc = json.loads((tmp_path / "quality.json").read_text())
     arms = doc["pools"]["natural"]["arms"]
     assert len(arms["ours"]["macro_by_epoch"][0]) == 2  # both epochs scored
-    assert arms["random_subset"]["rows"] == arms["ours"]["rows"]
+    # Ours' row count, less what the random (padded) plan drops to fill whole steps of W x B = 2 x 4 rows.
+    assert arms["ours"]["rows"][0] - 8 < arms["random_subset"]["rows"][0] <= arms["ours"]["rows"][0]
     assert arms["random_subset"]["selection_s"][0] < arms["ours"]["selection_s"][0]
     # A second call finds both arms kept and runs nothing.
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=BENCH.parents[1])
