@@ -181,8 +181,10 @@ def make_evaluator(cache: dict, threads: int):
         pad = int(load_tokenizer(cfg.model.path, cfg.model.trust_remote_code).pad_token_id)
 
         def evaluate(model_path, table, tasks):
+            # Only the base model is the same across arms; a trained model's path is reused by the next run.
+            base = "/epochs/" not in str(model_path) and "final_model" not in str(model_path)
             key = (str(model_path), tuple(table.column("example_id").to_pylist()))
-            if key not in cache or "/epochs/" in str(model_path) or "final_model" in str(model_path):
+            if not base or key not in cache:
                 task = ray.remote(evaluate_model_path).options(
                     num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
                 cache[key] = ray.get(task.remote(model_path, table, 8, pad, cfg.model.trust_remote_code, threads,
@@ -329,7 +331,7 @@ def schedule(args) -> list[tuple[str, int, str]]:
     return order
 
 
-def _budget_of(arm: str, ours: dict | None, args) -> dict | None:
+def _budget_of(arm: str, ours: dict | None) -> dict | None:
     base = arm.split("@")[0]
     if base in ("random_subset", "random_tokens"):
         if ours is None:
@@ -367,7 +369,7 @@ def _run_schedule(args, out: Path, pools: dict, eval_paths: list[str], results: 
             print(f"[bench] {pool} seed {seed} {arm}: skipped, {ref} has no figures", flush=True)
             continue
         run_dir = out / pool / f"seed{seed}" / arm.replace("@", "_b")
-        raw = arm_config(base, args, pool, seed, pools[pool], eval_paths, run_dir, _budget_of(arm, ours, args))
+        raw = arm_config(base, args, pool, seed, pools[pool], eval_paths, run_dir, _budget_of(arm, ours))
         fig = cached_arm(arm, raw, out, pool, seed, evaluator_for, args.only_cached)
         if fig is not None:
             results.setdefault(pool, {}).setdefault(seed, {})[arm] = fig

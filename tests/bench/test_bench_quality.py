@@ -47,7 +47,7 @@ def test_pools_keep_the_natural_proportions_and_the_held_out_files_apart(e2e, tm
 def test_every_arm_parses_and_differs_only_in_its_keys(e2e, tmp_path):
     args = e2e.parse_args(["--out", str(tmp_path)])
     cfgs = {arm: parse_config(e2e.arm_config(arm, args, "natural", 1, ["a.jsonl"], ["e.jsonl"], tmp_path / arm,
-                                            e2e._budget_of(arm, {"rows": 180, "tokens_per_epoch": 31000}, args)))
+                                            e2e._budget_of(arm, {"rows": 180, "tokens_per_epoch": 31000})))
             for arm in e2e.ARMS}
     assert cfgs["ours"].selection.budget == 0.31 and cfgs["ours"].clustering.seed == 1
     assert cfgs["random_subset"].selection.strategy == "random" and cfgs["random_subset"].selection.budget == 180
