@@ -82,9 +82,11 @@ ARMS = {
     "unweighted": ("train.loss_weighting: none", {"train": {"loss_weighting": "none"}}),
     "rds_hier": ("hidden_mean + groups auto + within random",
                  {"sketch": {"method": "hidden_mean"}, "selection": {"groups": "auto", "within": "random"}}),
+    # With --ours NAME, ``ours`` is a candidate default written as keys; this arm keeps the package's own.
+    "defaults": ("the package's defaults at this commit", {}),
 }
 HEADLINE = ["ours", "random_subset", "random_tokens", "paper", "full"]
-ABLATIONS = ["hidden_mean", "last_layer", "within_random", "within_peripheral", "max_tokens_128", "groups_auto",
+ABLATIONS = ["defaults", "hidden_mean", "last_layer", "within_random", "within_peripheral", "max_tokens_128", "groups_auto",
              "unweighted", "rds_hier"]
 FRONTIER_BUDGETS = (0.2, 0.5)  # and --budget (0.31): ours and random_subset, natural, seed 0
 SELECTION_PASS = ("sketch", "cluster", "select", "allocate")
@@ -136,6 +138,15 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def arm_keys(arm: str, args) -> dict:
+    """The config keys an arm sets over the shared ones: :data:`ARMS`, except that ``--ours NAME`` makes ``ours``
+    the candidate default ``NAME`` (measured as keys, so a later change of the package's defaults to exactly
+    these keys does not invalidate what ran)."""
+    if arm == "ours" and getattr(args, "ours", None):
+        return copy.deepcopy(ARMS[args.ours][1])
+    return copy.deepcopy(ARMS[arm][1])
+
+
 def arm_config(arm: str, args, pool: str, seed: int, paths: list[str], eval_paths: list[str], run_dir: Path,
                budget: dict | None = None) -> dict:
     """One arm's job config: the shared settings, the arm's :data:`ARMS` keys, then ``budget`` (selection keys:
@@ -159,7 +170,7 @@ def arm_config(arm: str, args, pool: str, seed: int, paths: list[str], eval_path
         cfg["clustering"].pop("seed")  # the preset's (the official code's 42)
     if arm == "full":
         cfg["selection"].pop("budget")
-    cfg = _merge(cfg, ARMS[arm][1])
+    cfg = _merge(cfg, arm_keys(arm, args))
     if budget:
         cfg["selection"] = {k: v for k, v in cfg["selection"].items() if k not in ("budget", "budget_tokens")}
         cfg["selection"].update(budget)
@@ -323,8 +334,10 @@ def schedule(args) -> list[tuple[str, int, str]]:
         for i, seed in enumerate(args.seeds):
             order += [(pool, seed, a) for a in HEADLINE if a in args.arms and (a != "full" or i == 0)]
     if "natural" in args.pools:
+        # With --ours NAME the ablation NAME is ours itself, and ``defaults`` is ours without it.
+        same = args.ours or "defaults"
         for seed in args.seeds[: args.ablation_seeds]:
-            order += [("natural", seed, a) for a in ABLATIONS if a in args.arms]
+            order += [("natural", seed, a) for a in ABLATIONS if a in args.arms and a != same]
         if args.frontier:
             for b in FRONTIER_BUDGETS:
                 order += [("natural", args.seeds[0], f"{a}@{b}") for a in ("ours", "random_subset")]
@@ -388,7 +401,8 @@ def summarise(args, results: dict) -> dict:
     ``full_train_s`` and per arm lists over ``seeds``; the ``frontier``; ``ablations`` (natural); ``machine``."""
     keys = ("macro_loss", "macro_loss_last", "token_loss", "best_epoch", "selection_s", "train_s", "e2e_s", "rows",
             "tokens_per_epoch")
-    doc = {"pools": {}, "frontier": {}, "defaults": None, "machine": machine_info(),
+    doc = {"pools": {}, "frontier": {}, "defaults": arm_keys("ours", args), "ours": args.ours or "defaults",
+           "machine": machine_info(),
            "settings": {k: getattr(args, k) for k in ("candidates", "eval_rows", "budget", "epochs", "lr",
                                                       "max_seq_len", "micro_batch", "workers", "model")}}
     for pool in args.pools:
@@ -462,6 +476,8 @@ def parse_args(argv=None):
     p.add_argument("--pools", nargs="+", default=["natural", "balanced"], choices=["natural", "balanced"])
     p.add_argument("--arms", nargs="+", default=HEADLINE + ABLATIONS, choices=list(ARMS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--ours", choices=ABLATIONS, default=None,
+                   help="run `ours` as this ablation's keys (a candidate default) instead of the package's defaults")
     p.add_argument("--ablation-seeds", type=int, default=2, help="seeds of each ablation (the first N of --seeds)")
     p.add_argument("--no-frontier", dest="frontier", action="store_false")
     p.add_argument("--candidates", type=int, default=600)

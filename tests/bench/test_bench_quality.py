@@ -77,6 +77,22 @@ def test_the_schedule_runs_ours_first_full_once_and_the_frontier_last(e2e):
     assert [a for _, _, a in order[-4:]] == ["ours@0.2", "random_subset@0.2", "ours@0.5", "random_subset@0.5"]
 
 
+def test_ours_can_be_a_candidate_default_written_as_keys(e2e, tmp_path):
+    """--ours NAME: ``ours`` runs NAME's keys (the random arms then take its counts), the ablation NAME is not run
+    twice, ``defaults`` keeps the package's own defaults, and the summary names the keys."""
+    args = e2e.parse_args(["--out", str(tmp_path), "--ours", "rds_hier", "--seeds", "0", "1"])
+    cfg = parse_config(e2e.arm_config("ours", args, "natural", 0, ["a.jsonl"], ["e.jsonl"], tmp_path / "o"))
+    assert cfg.sketch.method == "hidden_mean" and cfg.selection.within == "random" and cfg.selection.groups == "auto"
+    plain = parse_config(e2e.arm_config("defaults", args, "natural", 0, ["a.jsonl"], ["e.jsonl"], tmp_path / "d"))
+    assert plain.sketch.method == parse_config({"data": {"source": "demo"}}).sketch.method
+    arms = [a for _, _, a in e2e.schedule(args)]
+    assert "rds_hier" not in arms and arms.count("defaults") == 2
+    doc = e2e.summarise(args, {})
+    assert doc["ours"] == "rds_hier" and doc["defaults"] == e2e.ARMS["rds_hier"][1]
+    # Without --ours, ``defaults`` is ours itself and does not run.
+    assert "defaults" not in [a for _, _, a in e2e.schedule(e2e.parse_args([]))]
+
+
 def _manifest(macro: list[float]) -> dict:
     return {"eval_epochs": [{"epoch": e + 1, "macro_loss": m, "token_loss": m + 0.1,
                              "files": {"/x/mbpp_test.jsonl": {"all": {"loss": m - 0.2}}}} for e, m in enumerate(macro)],
