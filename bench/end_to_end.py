@@ -260,7 +260,7 @@ def arm_key(cfg: dict) -> str:
     return json.dumps({"config": cfg, "package_tree": tree}, sort_keys=True, default=str)
 
 
-def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for) -> dict:
+def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for, what: str = "") -> dict:
     """Run one arm; its figures. The sketch time of an arm that read every feature from the store is the run's
     that computed them (``feature_times.json``)."""
     import pandas as pd
@@ -269,7 +269,7 @@ def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for) -> dict:
     from ray_cluster_ft.config import parse_config
 
     cfg = parse_config(raw)
-    print(f"[bench] ===== {pool} {Path(cfg.output.dir).parent.name} {arm}: {ARMS[arm.split('@')[0]][0]}", flush=True)
+    print(f"[bench] ===== {pool} {Path(cfg.output.dir).parent.name} {arm}: {what}", flush=True)
     t0 = time.perf_counter()
     manifest = run_pipeline(cfg, evaluator=evaluator_for(cfg))
     wall = time.perf_counter() - t0
@@ -304,7 +304,8 @@ def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for) -> dict:
     }
 
 
-def cached_arm(arm: str, raw: dict, out: Path, pool: str, seed: int, evaluator_for, only_cached: bool) -> dict | None:
+def cached_arm(arm: str, raw: dict, out: Path, pool: str, seed: int, evaluator_for, only_cached: bool,
+               what: str = "") -> dict | None:
     """The arm's kept figures when its key matches, else it runs (unless ``only_cached``) and they are kept."""
     path = out / pool / f"seed{seed}" / f"{arm}.bench.json"
     key = arm_key(raw)
@@ -314,7 +315,7 @@ def cached_arm(arm: str, raw: dict, out: Path, pool: str, seed: int, evaluator_f
     if only_cached:
         return None
     try:
-        figures = run_arm(arm, raw, out, pool, evaluator_for)
+        figures = run_arm(arm, raw, out, pool, evaluator_for, what)
     except Exception as err:  # noqa: BLE001 - one failed arm must not lose the others' figures
         print(f"[bench] {pool} seed {seed} {arm} failed: {type(err).__name__}: {err}", flush=True)
         return None
@@ -383,7 +384,8 @@ def _run_schedule(args, out: Path, pools: dict, eval_paths: list[str], results: 
             continue
         run_dir = out / pool / f"seed{seed}" / arm.replace("@", "_b")
         raw = arm_config(base, args, pool, seed, pools[pool], eval_paths, run_dir, _budget_of(arm, ours))
-        fig = cached_arm(arm, raw, out, pool, seed, evaluator_for, args.only_cached)
+        what = ARMS[base][0] if not (base == "ours" and args.ours) else f"--ours {args.ours}: {ARMS[args.ours][0]}"
+        fig = cached_arm(arm, raw, out, pool, seed, evaluator_for, args.only_cached, what)
         if fig is not None:
             results.setdefault(pool, {}).setdefault(seed, {})[arm] = fig
             write_results(args, results)
