@@ -100,7 +100,7 @@ class DataConfig(Section):
         "warn", description="a text field that the row's format does not use (and whose text is not trained "
                             "anyway): ``warn`` prints it once per file and field with the ``data.columns`` line "
                             "that would use it and lists it in manifest.json; ``error`` refuses the run (exit 2, "
-                            "before Ray); ``ignore``")
+                            "before Ray); ``ignore``. The ``evaluation.paths`` files are held to the same policy")
     train_on: Literal["all_assistant_turns", "last_assistant_turn"] = Field(
         "all_assistant_turns", description="which assistant turns of a multi-turn chat carry the loss: every one "
                                            "(as TRL, axolotl and LLaMA-Factory do) or the last only; the rest "

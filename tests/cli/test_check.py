@@ -129,3 +129,26 @@ def test_checks_tokenizer_is_the_one_run_loads(tiny_model_dir, tmp_path):
     conf = json.loads((remote / "tokenizer_config.json").read_text())
     (remote / "tokenizer_config.json").write_text(json.dumps({**conf, "auto_map": {"AutoTokenizer": ["x.Y", None]}}))
     assert generic_tokenizer(remote) is None and generic_tokenizer(tiny_model_dir, trust_remote_code=True) is None
+
+
+def test_check_samples_evaluation_files_with_the_same_unused_fields_policy(tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "2+2?", "response": "4"}\n')
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"prompt": "Summarize.", "response": "Short.", "input": "The paragraph."}\n{"text": "a b"}\n')
+    spec = yaml.safe_load(_spec(tmp_path, tiny_model_dir, [tmp_path / "train.jsonl"]).read_text())
+    spec["evaluation"] = {"paths": [str(held)]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["check", str(tmp_path / "job.yaml")]) == 0
+    err = capsys.readouterr().err
+    assert (f"[ray-cluster-ft] check: evaluation file {held}: 2 rows; of the first 2: 1 accepted, 1 rejected "
+            "{'missing field': 1}") in err
+    assert (f"[ray-cluster-ft] warning: evaluation file {held}: field 'input' is not used by the row format in 1 "
+            "row; to train on it: data.columns: {prompt: [prompt, input]}") in err
+    spec["data"]["unused_fields"] = "error"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["check", str(tmp_path / "job.yaml")]) == 2
+    assert f"evaluation file {held}: field 'input' is not used" in capsys.readouterr().err
+    spec["evaluation"] = {"paths": [str(tmp_path / "nope.jsonl")]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["check", str(tmp_path / "job.yaml")]) == 2
+    assert f"evaluation.paths: data file not found: {tmp_path / 'nope.jsonl'}" in capsys.readouterr().err
