@@ -87,6 +87,11 @@ class DataConfig(Section):
         None, ge=1, description="read at most this many rows per source (a file's first rows; a seeded sample of "
                                 "each demo source); null = every row")
     seed: int = seed_field("held-out split and demo sample seed")
+    ray_data_rows: int | None = Field(
+        250_000, ge=1, description="read, canonicalise, tokenize and de-duplicate the files on Ray Data (tasks and "
+                                   "actors over the cluster's CPUs) when they hold at least this many rows (counted "
+                                   "without parsing); the same rows accepted and rejected, with the same reasons, "
+                                   "as in one process. null = always in one process")
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "prompt_response",
                     "question_answer"] = Field(
         "auto", description="the rows' format (docs/data.md): ``auto`` tells each row's format by its fields; a "

@@ -180,7 +180,7 @@ def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
                           f"there?): {first}") from None
 
 
-def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
+def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_ray: bool | None = None) -> DataOutput:
     """Read, canonicalise, tokenize and split every source of ``cfg.data``; write ``examples.parquet``,
     ``eval_examples.parquet`` and ``rejected.jsonl`` into ``run_dir``.
 
@@ -189,6 +189,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
         run_dir: the run directory.
         resume: the stopped run's ``examples.parquet`` / ``eval_examples.parquet`` must equal what is read
             now (checked before anything is overwritten).
+        on_ray: read the training files on Ray Data (:mod:`.ray_data`; Ray must be initialised); None: when
+            :func:`.ray_data.uses_ray_data` says so and Ray is initialised. The result is the same either way.
 
     Returns:
         :class:`DataOutput`.
@@ -198,7 +200,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
         FileNotFoundError: the model or a data file is missing.
     """
     model_path, tok = _tokenizer(cfg)
-    data = load_examples(cfg.data, tok)
+    data = _load(cfg.data, tok, on_ray)
     eval_files = _eval_files(cfg, tok)
     _report_fields(data, cfg.data.unused_fields, evaluation=eval_files.values())
     if resume:
@@ -229,6 +231,25 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
                for path, res in eval_files.items()}
     _warn_eval_files(eval_files, overlap)
     return DataOutput(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files, overlap)
+
+
+def _load(d, tok, on_ray: bool | None) -> DataResult:
+    """The training files read in one process or on Ray Data (the same result, :mod:`.ray_data`)."""
+    from .ray_data import load_examples_ray, uses_ray_data
+
+    if on_ray is None and d.source == "files" and d.ray_data_rows is not None:
+        import importlib.util
+
+        on_ray = importlib.util.find_spec("ray") is not None and uses_ray_data(d)
+        if on_ray:
+            import ray
+
+            on_ray = ray.is_initialized()
+    if not on_ray:
+        return load_examples(d, tok)
+    print(f"[ray-cluster-ft] data: reading and tokenizing on Ray Data (data.ray_data_rows={d.ray_data_rows})",
+          flush=True)
+    return load_examples_ray(d, tok)
 
 
 def _report_fields(data: DataResult, policy: str, out=None, evaluation: Iterable[DataResult] = ()) -> None:
