@@ -67,7 +67,7 @@ def main() -> None:
 
     from ray_cluster_ft.config import DataConfig
     from ray_cluster_ft.data.examples import load_examples
-    from ray_cluster_ft.data.ray_data import CHUNK_BYTES, load_examples_ray
+    from ray_cluster_ft.data.ray_data import load_examples_ray
     from ray_cluster_ft.model import load_tokenizer
 
     tok = load_tokenizer(args.model)
@@ -82,7 +82,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 one = load_examples(cfg, tok)
                 t1 = time.perf_counter()
-                many = load_examples_ray(cfg, tok, chunk_bytes=args.chunk_bytes or CHUNK_BYTES)
+                many = load_examples_ray(cfg, tok, chunk_bytes=args.chunk_bytes)
                 t2 = time.perf_counter()
                 single, on_ray = n / (t1 - t0), n / (t2 - t1)
                 sizes.append({"rows": n, "single_s": round(t1 - t0, 2), "ray_s": round(t2 - t1, 2),

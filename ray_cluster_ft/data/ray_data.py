@@ -174,14 +174,15 @@ def _arrow(ref) -> pa.Table:
     return ray.get(ref)
 
 
-def load_examples_ray(cfg: DataConfig, tokenizer, chunk_bytes: int = CHUNK_BYTES, actors: int | None = None
+def load_examples_ray(cfg: DataConfig, tokenizer, chunk_bytes: int | None = None, actors: int | None = None
                       ) -> DataResult:
     """:func:`.examples.load_examples` on Ray Data (the module docstring); Ray must be initialised.
 
     Args:
         cfg: the data section (``source: files``).
         tokenizer: the model's tokenizer; shipped to each tokenizing actor.
-        chunk_bytes: bytes of JSON Lines per read task (:data:`CHUNK_BYTES`).
+        chunk_bytes: bytes of JSON Lines per read task; default a quarter of the files' bytes per CPU, between
+            64 KiB and :data:`CHUNK_BYTES` (a pool of a few pieces would leave CPUs idle).
         actors: tokenizing actors; default one per CPU of the cluster.
 
     Returns:
@@ -194,8 +195,11 @@ def load_examples_ray(cfg: DataConfig, tokenizer, chunk_bytes: int = CHUNK_BYTES
     import ray
 
     files = expand_paths(cfg.paths)
-    pieces = _pieces(cfg, files, chunk_bytes)
     n_actors = actors or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    if chunk_bytes is None:
+        total = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
+        chunk_bytes = min(CHUNK_BYTES, max(64 << 10, total // (4 * n_actors)))
+    pieces = _pieces(cfg, files, chunk_bytes)
     try:
         read = ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
             _read_piece, batch_size=1, batch_format="pyarrow", fn_kwargs={"files": files, "cfg": cfg})
