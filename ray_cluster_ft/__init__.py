@@ -22,67 +22,31 @@ The stage packages keep their names (``ray_cluster_ft.train`` is the package, it
 ``ray_cluster_ft.train.train``). Configs are pydantic models (:class:`JobConfig` and its sections), read from YAML by :func:`load_config`.
 """
 
+from ._lazy import lazy_exports
 from ._quiet import quiet_library_noise
 
 quiet_library_noise()  # before any stage imports DeepSpeed or Ray Data
 
-from .allocate import PlanResult, check_plan, make_plan, plan_metrics
-from .api import Features, Plan, compute_features, select_and_plan
-from .cluster import ClusterResult, cluster_sketches
-from .config import (
-    AllocationConfig,
-    ClusteringConfig,
-    ConfigError,
-    DataConfig,
-    EvaluationConfig,
-    JobConfig,
-    LoraConfig,
-    ModelConfig,
-    OutputConfig,
-    SelectionConfig,
-    SketchConfig,
-    TrainConfig,
-    load_config,
-    parse_config,
-)
-from .data import collate, load_examples
-from .features import compute_sketches, read_sketches
-from .pipeline import run_pipeline
-from .select import SelectionResult
-from .train import TrainResult
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "AllocationConfig",
-    "ClusterResult",
-    "ClusteringConfig",
-    "ConfigError",
-    "DataConfig",
-    "EvaluationConfig",
-    "Features",
-    "JobConfig",
-    "LoraConfig",
-    "ModelConfig",
-    "OutputConfig",
-    "Plan",
-    "PlanResult",
-    "SelectionConfig",
-    "SelectionResult",
-    "SketchConfig",
-    "TrainConfig",
-    "TrainResult",
-    "check_plan",
-    "cluster_sketches",
-    "collate",
-    "compute_features",
-    "compute_sketches",
-    "load_config",
-    "load_examples",
-    "make_plan",
-    "parse_config",
-    "plan_metrics",
-    "read_sketches",
-    "run_pipeline",
-    "select_and_plan",
-]
+# Imported on first use (PEP 562): `import ray_cluster_ft` and `ray-cluster-ft check` load neither torch nor Ray.
+_WHERE = {
+    "PlanResult": "allocate", "check_plan": "allocate", "make_plan": "allocate", "plan_metrics": "allocate",
+    "Features": "api", "Plan": "api", "compute_features": "api", "select_and_plan": "api",
+    "ClusterResult": "cluster", "cluster_sketches": "cluster",
+    **{name: "config" for name in (
+        "AllocationConfig", "ClusteringConfig", "ConfigError", "DataConfig", "EvaluationConfig", "JobConfig",
+        "LoraConfig", "ModelConfig", "OutputConfig", "SelectionConfig", "SketchConfig", "TrainConfig",
+        "load_config", "parse_config")},
+    "collate": "data", "load_examples": "data",
+    "compute_sketches": "features", "read_sketches": "features",
+    "run_pipeline": "pipeline",
+    "SelectionResult": "select",
+    "TrainResult": "train",
+}
+_SUBMODULES = ("allocate", "api", "cli", "cluster", "config", "data", "evaluate", "features", "integrations",
+               "model", "pipeline", "rundir", "select", "train")
+
+__all__ = sorted(_WHERE)
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, _SUBMODULES)

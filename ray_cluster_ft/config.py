@@ -87,6 +87,11 @@ class DataConfig(Section):
         None, ge=1, description="read at most this many rows per source (a file's first rows; a seeded sample of "
                                 "each demo source); null = every row")
     seed: int = seed_field("held-out split and demo sample seed")
+    ray_data_rows: int | None = Field(
+        250_000, ge=1, description="read, canonicalise, tokenize and de-duplicate the files on Ray Data (tasks and "
+                                   "actors over the cluster's CPUs) when they hold at least this many rows (counted "
+                                   "without parsing); the same rows accepted and rejected, with the same reasons, "
+                                   "as in one process. null = always in one process")
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "prompt_response",
                     "question_answer"] = Field(
         "auto", description="the rows' format (docs/data.md): ``auto`` tells each row's format by its fields; a "
@@ -100,7 +105,7 @@ class DataConfig(Section):
         "warn", description="a text field that the row's format does not use (and whose text is not trained "
                             "anyway): ``warn`` prints it once per file and field with the ``data.columns`` line "
                             "that would use it and lists it in manifest.json; ``error`` refuses the run (exit 2, "
-                            "before Ray); ``ignore``")
+                            "before Ray); ``ignore``. The ``evaluation.paths`` files are held to the same policy")
     train_on: Literal["all_assistant_turns", "last_assistant_turn"] = Field(
         "all_assistant_turns", description="which assistant turns of a multi-turn chat carry the loss: every one "
                                            "(as TRL, axolotl and LLaMA-Factory do) or the last only; the rest "

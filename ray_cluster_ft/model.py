@@ -386,10 +386,43 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return load_local_tokenizer(resolved, trust_remote_code)
 
 
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def generic_tokenizer(folder: str | Path, trust_remote_code: bool = False):
+    """The tokenizer of a local folder that ``AutoTokenizer`` would load as transformers' generic
+    ``tokenizers``-backed class, loaded through that class directly; None when ``AutoTokenizer`` could choose
+    another class (so the caller uses it).
+
+    Why: in transformers 5 importing ``AutoTokenizer`` imports torch (its config module does), 4-9 s of a cold
+    ``ray-cluster-ft check`` on a loaded machine; ``PreTrainedTokenizerFast`` (= ``TokenizersBackend``) does not.
+    The class is the one ``AutoTokenizer.from_pretrained`` returns for such a folder (transformers 5.x,
+    ``models/auto/tokenization_auto.py``): ``tokenizer_config.json`` names ``TokenizersBackend`` or
+    ``PreTrainedTokenizerFast``, with no ``auto_map`` (remote code), no ``tekken.json`` (Mistral's backend) and
+    a ``tokenizer.json``. Sets the pad token as :func:`load_local_tokenizer` does.
+    """
+    folder = Path(folder)
+    if trust_remote_code or (folder / "tekken.json").exists() or not (folder / "tokenizer.json").is_file():
+        return None
+    try:
+        conf = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(conf, dict) or conf.get("tokenizer_class") not in _GENERIC_TOKENIZERS or "auto_map" in conf:
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def load_tokenizer_only(path: str, trust_remote_code: bool = False, cache: Path | None = None):
     """The tokenizer of ``model.path`` without reading any weights (what ``ray-cluster-ft check`` uses): the
     demo's from its GGUF file when the model is not converted yet (the conversion would load the weights), a
-    converted demo or local folder's tokenizer files, or a hub id's tokenizer (through the Hugging Face cache).
+    converted demo or local folder's tokenizer files (:func:`generic_tokenizer` where it applies, so torch is not
+    imported), or a hub id's tokenizer (through the Hugging Face cache).
 
     Raises:
         FileNotFoundError: as :func:`resolve_model_path` for a missing folder or a malformed id.
@@ -403,8 +436,11 @@ def load_tokenizer_only(path: str, trust_remote_code: bool = False, cache: Path 
             if tok.pad_token is None:
                 tok.pad_token = tok.eos_token
             return tok
-        return load_local_tokenizer(str(done), trust_remote_code)
-    return load_tokenizer(path, trust_remote_code)
+        tok = generic_tokenizer(done, trust_remote_code)
+        return tok if tok is not None else load_local_tokenizer(str(done), trust_remote_code)
+    resolved = resolve_model_path(path)
+    tok = generic_tokenizer(resolved, trust_remote_code) if os.path.isabs(resolved) else None
+    return tok if tok is not None else load_tokenizer(path, trust_remote_code)
 
 
 def load_local_model(path: str, trust_remote_code: bool = False, dtype=None, attn_implementation: str | None = None,

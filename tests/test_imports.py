@@ -19,7 +19,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "ray_cluster_ft"
 
 LAYERS = {
-    "config": 0, "_config_load": 0, "_config_checks": 0, "_config_docs": 0, "_config_base": 0, "_config_train": 0, "_presets": 0, "_quiet": 0, "model": 0, "rundir": 0,
+    "config": 0, "_config_load": 0, "_config_checks": 0, "_config_docs": 0, "_config_base": 0, "_config_train": 0, "_lazy": 0, "_presets": 0, "_quiet": 0, "model": 0, "rundir": 0,
     "data": 1, "features": 2, "cluster": 3, "select": 4, "allocate": 5, "train": 6, "evaluate": 7,
     "pipeline": 8, "api": 9, "cli": 9, "integrations": 9,
 }

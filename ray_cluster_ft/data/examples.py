@@ -11,7 +11,7 @@ from __future__ import annotations
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +23,10 @@ from .tokenize import tokenize_guarded, tokenize_rows
 
 __all__ = [
     "EXAMPLE_SCHEMA",
+    "Canonical",
     "DataResult",
+    "canonical_record",
+    "split_held_out",
     "tokenize_rows",
     "load_examples",
 ]
@@ -144,6 +147,43 @@ def _row_domain(row: dict) -> str:
     return domain
 
 
+class Canonical(NamedTuple):
+    """One readable row in canonical form (:func:`canonical_record`)."""
+
+    fmt: str
+    messages: list
+    unused: list[str]
+    hints: list[str]
+    source: str
+    domain: str
+
+
+def canonical_record(src: str, pos: int, row: Any, cfg: DataConfig) -> Canonical | Rejection:
+    """One row as read (``row`` may be a read-time :class:`Rejection`) -> its format, chat messages, unused text
+    fields with the ``data.columns`` hint of each, ``source`` (the row's own, else the file's stem) and folded
+    domain; or its :class:`Rejection`. The one per-row step of both :func:`load_examples` and the Ray Data path
+    (:mod:`.ray_data`)."""
+    if isinstance(row, Rejection):
+        return row
+    try:
+        fmt, msgs, left = canonical_row(row, cfg.format, cfg.columns)
+        domain = _row_domain(row)
+    except ValueError as err:
+        return Rejection(src, pos, str(err), row)
+    source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
+    return Canonical(fmt, msgs, list(left), [columns_hint(fmt, name, row.get(name)) for name in left], source,
+                     domain)
+
+
+def split_held_out(table: pa.Table, cfg: DataConfig) -> tuple[pa.Table, pa.Table]:
+    """The accepted rows (:data:`EXAMPLE_SCHEMA`, in input order) split into candidates and held-out rows: per
+    domain a seeded share ``cfg.eval_fraction``, at most ``cfg.max_eval`` in all (a row's place depends on its
+    example id, not its position)."""
+    held = _held_out(table.column("example_id").to_pylist(), table.column("domain").to_pylist(), cfg.eval_fraction,
+                     cfg.max_eval, cfg.seed)
+    return table.filter(pa.array(~held)), table.filter(pa.array(held))
+
+
 def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> DataResult:
     """Read every source of ``cfg``, canonicalise (:mod:`.formats`), tokenize (:mod:`.tokenize`),
     de-duplicate and split off the held-out rows.
@@ -171,22 +211,16 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
     for src, pos, row in iter_rows(cfg):
         n_read += 1
         sources[src] = sources.get(src, 0) + 1
-        if isinstance(row, Rejection):
-            acc.rejected.append(row)
-            continue
-        try:
-            fmt, msgs, left = canonical_row(row, cfg.format, cfg.columns)
-            domain = _row_domain(row)
-        except ValueError as err:
-            acc.rejected.append(Rejection(src, pos, str(err), row))
+        rec = canonical_record(src, pos, row, cfg)
+        if isinstance(rec, Rejection):
+            acc.rejected.append(rec)
             continue
         per = formats.setdefault(src, {})
-        per[fmt] = per.get(fmt, 0) + 1
-        for name in left:
+        per[rec.fmt] = per.get(rec.fmt, 0) + 1
+        for name, hint in zip(rec.unused, rec.hints):
             unused.setdefault(src, {})[name] = unused.get(src, {}).get(name, 0) + 1
-            hints.setdefault(src, {}).setdefault(name, columns_hint(fmt, name, row.get(name)))
-        source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
-        acc.pending.append((src, pos, row, msgs, source, domain))
+            hints.setdefault(src, {}).setdefault(name, hint)
+        acc.pending.append((src, pos, row, rec.messages, rec.source, rec.domain))
         if len(acc.pending) >= tokenize_chunk:
             acc.flush()
     acc.flush()
@@ -194,11 +228,10 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
     order = {src: i for i, src in enumerate(sources)}
     acc.rejected.sort(key=lambda r: (order.get(r.source, len(order)), r.position))
 
-    table = pa.table(acc.cols, schema=EXAMPLE_SCHEMA)
-    held = _held_out(acc.cols["example_id"], acc.cols["domain"], cfg.eval_fraction, cfg.max_eval, cfg.seed)
+    train, held = split_held_out(pa.table(acc.cols, schema=EXAMPLE_SCHEMA), cfg)
     return DataResult(
-        train=table.filter(pa.array(~held)),
-        eval=table.filter(pa.array(held)),
+        train=train,
+        eval=held,
         rejected=acc.rejected,
         n_read=n_read,
         truncated=acc.truncated,

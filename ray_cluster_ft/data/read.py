@@ -31,6 +31,8 @@ __all__ = [
     "iter_demo_rows",
     "iter_file_rows",
     "iter_rows",
+    "iter_chunk_rows",
+    "jsonl_chunks",
     "expand_paths",
     "count_rows",
     "canonicalize",
@@ -163,7 +165,6 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
     _require_file(p)
     src = str(p)
     name = p.name.lower()
-    count = 0
     if name.endswith(".parquet"):
         yield from _iter_parquet_rows(p, limit)
         return
@@ -190,18 +191,53 @@ def iter_file_rows(path: str | Path, limit: int | None = None) -> Iterator[tuple
             return
     try:
         with opener(p, "rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]  # a UTF-8 byte-order mark (spreadsheet exports) is not part of the row
-                if not raw.strip():
-                    continue
-                if limit is not None and count >= limit:
-                    return
-                count += 1
-                yield src, lineno, _parse_jsonl_line(src, lineno, raw)
+            yield from _jsonl_lines(src, fh, 1, limit)
     except (OSError, EOFError, gzip.BadGzipFile) as err:
         # A truncated or corrupt gzip stream is a broken file, not a bad row: there is no next line to read.
         raise ConfigError(f"cannot read data file {p}: {err}") from None
+
+
+def _jsonl_lines(src: str, lines: Iterable[bytes], first_line: int, limit: int | None
+                 ) -> Iterator[tuple[str, int, Any]]:
+    count = 0
+    for lineno, raw in enumerate(lines, start=first_line):
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]  # a UTF-8 byte-order mark (spreadsheet exports) is not part of the row
+        if not raw.strip():
+            continue
+        if limit is not None and count >= limit:
+            return
+        count += 1
+        yield src, lineno, _parse_jsonl_line(src, lineno, raw)
+
+
+def jsonl_chunks(path: str | Path, chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """A plain JSON Lines file (``.jsonl``, ``.ndjson``) cut into pieces of about ``chunk_bytes`` bytes, each
+    ending at a line end: ``[(start byte, end byte, 1-based line number of its first line)]``, in order; one pass
+    counting line ends (the line numbers are the ones :func:`iter_file_rows` gives)."""
+    out = []
+    start, line = 0, 1
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk_bytes)
+            if not block:
+                return out
+            if len(block) == chunk_bytes:
+                block += fh.readline()  # to the end of the line the cut fell in
+            out.append((start, start + len(block), line))
+            line += block.count(b"\n")
+            start += len(block)
+
+
+def iter_chunk_rows(path: str | Path, start: int, end: int, first_line: int) -> Iterator[tuple[str, int, Any]]:
+    """The rows of one piece of :func:`jsonl_chunks`, exactly as :func:`iter_file_rows` yields them there (same
+    positions, rows and rejections; the byte-order mark dropped on line 1 only)."""
+    import io
+
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        data = fh.read(end - start)
+    yield from _jsonl_lines(str(Path(path)), io.BytesIO(data), first_line, None)
 
 
 def is_datasets_folder(p: Path) -> bool:

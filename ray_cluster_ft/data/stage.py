@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import pyarrow.parquet as pq
 
@@ -13,7 +13,7 @@ from ..rundir import claim, same_as_before
 from .examples import DataResult, load_examples
 from .read import reason_category
 
-__all__ = ["DataOutput", "check", "run"]
+__all__ = ["DataOutput", "check", "file_stats", "run"]
 
 
 @dataclass(frozen=True)
@@ -52,58 +52,75 @@ class DataOutput:
     def files(self) -> dict:
         """The manifest's ``data_files``: per file read, ``{"rows": rows read, "formats": {format: rows},
         "unused_fields": {field: rows where it was not used}}`` (:mod:`.formats`)."""
-        d = self.result
-        return {src: {"rows": n, "formats": d.formats.get(src, {}), "unused_fields": d.unused.get(src, {})}
-                for src, n in d.sources.items()}
+        return file_stats(self.result)
+
+    @property
+    def eval_file_stats(self) -> dict:
+        """Per ``evaluation.paths`` entry, :func:`file_stats` of the files it names (a glob or folder names
+        several): the manifest's ``eval_files.<entry>.data_files``."""
+        return {path: file_stats(res) for path, res in self.eval_files.items()}
+
+
+def file_stats(data: DataResult) -> dict:
+    """Per file read into ``data``: ``{"rows": rows read, "formats": {format: rows}, "unused_fields": {field: rows
+    where it was not used}}``."""
+    return {src: {"rows": n, "formats": data.formats.get(src, {}), "unused_fields": data.unused.get(src, {})}
+            for src, n in data.sources.items()}
 
 
 def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None) -> dict:
     """``ray-cluster-ft check``'s look at the data, with the tokenizer only (no model weights): every path
     stat-ed, each file's rows counted, its first ``sample_rows`` rows read, canonicalised and tokenized exactly as
     the data stage does; the formats and unused fields printed to ``out`` as a run prints them, then
-    ``n_examples`` decoded examples with the trained part between ``[[`` and ``]]``.
+    ``n_examples`` decoded examples with the trained part between ``[[`` and ``]]``. The ``evaluation.paths``
+    files are sampled the same way and held to the same ``data.unused_fields`` policy; one of them with no
+    accepted row is printed, not refused (a run only warns about it).
 
     Returns:
-        ``{"files": {path: {"rows", "sampled", "rejected", "formats", "unused_fields"}}, "examples": [str]}``.
+        ``{"files": {path: {"rows", "sampled", "rejected", "reasons", "formats", "unused_fields"}}, "eval_files":
+        {path: the same}, "examples": [str]}`` (``reasons``: the sample's rejections per category).
 
     Raises:
-        FileNotFoundError: a data file is missing (the message ``run`` gives).
+        FileNotFoundError: a data or evaluation file is missing (the message ``run`` gives).
         ConfigError: a file is unreadable as a whole or of an unsupported type, ``data.unused_fields: error``
-            with an unused field, or no row of a file's sample is accepted (the reasons counted).
+            with an unused field (training or evaluation file), or no row of a training file's sample is accepted
+            (the reasons counted).
     """
     from ..model import load_tokenizer_only
     from .read import count_rows, expand_paths
     from .tokenize import marked_text
 
     d = cfg.data
+    limit = min(d.limit or sample_rows, sample_rows)
     # A missing file, an empty glob or a file of a refused format fails before the tokenizer is even imported.
     counts = {p: count_rows(p) for p in expand_paths(d.paths)} if d.source == "files" else {}
     for path in counts:
-        _refuse_unreadable(path, d, min(d.limit or sample_rows, sample_rows))
+        _refuse_unreadable(path, d, limit)
+    for path in cfg.evaluation.paths:
+        try:
+            counts.update({p: count_rows(p) for p in expand_paths([path])})
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"evaluation.paths: {err}") from None
     try:
         tok = load_tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
     except (OSError, ValueError) as err:
         if isinstance(err, (FileNotFoundError, ConfigError)):
             raise
         raise ConfigError(f"model.path {cfg.model.path!r}: cannot load its tokenizer: {err}") from None
-    sample = load_examples(d.model_copy(update={"limit": min(d.limit or sample_rows, sample_rows),
-                                                "eval_fraction": 0.0}), tok)
-    _report_fields(sample, d.unused_fields, out)
-    files = {}
-    for src, n in sample.sources.items():
-        reasons: dict[str, int] = {}
-        for rej in sample.rejected:
-            if rej.source == src:
-                reasons[reason_category(rej.reason)] = reasons.get(reason_category(rej.reason), 0) + 1
-        if sum(reasons.values()) == n:
-            raise ConfigError(f"data file {src}: none of its first {n} rows is accepted (rejected: {reasons}); "
-                              f"see docs/data.md for the formats and data.columns")
-        files[src] = {"rows": counts.get(src), "sampled": n,
-                      "rejected": sum(reasons.values()), "formats": sample.formats.get(src, {}),
-                      "unused_fields": sample.unused.get(src, {})}
-        print(f"[ray-cluster-ft] check: {src}: {files[src]['rows'] if files[src]['rows'] is not None else 'demo'} "
-              f"rows; of the first {n}: {n - sum(reasons.values())} accepted, {sum(reasons.values())} rejected"
-              + (f" {reasons}" if reasons else ""), file=out, flush=True)
+    sample = load_examples(d.model_copy(update={"limit": limit, "eval_fraction": 0.0}), tok)
+    evals = _eval_files(cfg, tok, limit)
+    _report_fields(sample, d.unused_fields, out, evaluation=evals.values())
+    files = {src: _sampled(sample, src, counts.get(src)) for src in sample.sources}
+    for src, f in files.items():
+        if f["rejected"] == f["sampled"]:
+            raise ConfigError(f"data file {src}: none of its first {f['sampled']} rows is accepted (rejected: "
+                              f"{f['reasons']}); see docs/data.md for the formats and data.columns")
+    eval_files = {src: _sampled(res, src, counts.get(src)) for res in evals.values() for src in res.sources}
+    for label, per in (("", files), ("evaluation file ", eval_files)):
+        for src, f in per.items():
+            print(f"[ray-cluster-ft] check: {label}{src}: {f['rows'] if f['rows'] is not None else 'demo'} rows; of "
+                  f"the first {f['sampled']}: {f['sampled'] - f['rejected']} accepted, {f['rejected']} rejected"
+                  + (f" {f['reasons']}" if f["reasons"] else ""), file=out, flush=True)
     if not sample.sources:
         raise ConfigError("no accepted training examples: the data files hold no rows")
     t = sample.train.slice(0, n_examples)
@@ -112,7 +129,18 @@ def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None)
     for k, ex in enumerate(examples, 1):
         print(f"[ray-cluster-ft] check: example {k} as trained (masked text as is, trained text in [[ ]]):\n{ex}",
               file=out, flush=True)
-    return {"files": files, "examples": examples}
+    return {"files": files, "eval_files": eval_files, "examples": examples}
+
+
+def _sampled(sample: DataResult, src: str, rows: int | None) -> dict:
+    """One file of ``check``'s sample: its row count, rows sampled and rejected (and the reasons by category),
+    formats and unused fields."""
+    reasons: dict[str, int] = {}
+    for rej in sample.rejected:
+        if rej.source == src:
+            reasons[reason_category(rej.reason)] = reasons.get(reason_category(rej.reason), 0) + 1
+    return {"rows": rows, "sampled": sample.sources[src], "rejected": sum(reasons.values()), "reasons": reasons,
+            "formats": sample.formats.get(src, {}), "unused_fields": sample.unused.get(src, {})}
 
 
 def _refuse_unreadable(path: str, d, limit: int) -> None:
@@ -152,7 +180,7 @@ def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:
                           f"there?): {first}") from None
 
 
-def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
+def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_ray: bool | None = None) -> DataOutput:
     """Read, canonicalise, tokenize and split every source of ``cfg.data``; write ``examples.parquet``,
     ``eval_examples.parquet`` and ``rejected.jsonl`` into ``run_dir``.
 
@@ -161,6 +189,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
         run_dir: the run directory.
         resume: the stopped run's ``examples.parquet`` / ``eval_examples.parquet`` must equal what is read
             now (checked before anything is overwritten).
+        on_ray: read the training files on Ray Data (:mod:`.ray_data`; Ray must be initialised); None: when
+            :func:`.ray_data.uses_ray_data` says so and Ray is initialised. The result is the same either way.
 
     Returns:
         :class:`DataOutput`.
@@ -170,8 +200,9 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
         FileNotFoundError: the model or a data file is missing.
     """
     model_path, tok = _tokenizer(cfg)
-    data = load_examples(cfg.data, tok)
-    _report_fields(data, cfg.data.unused_fields)
+    data = _load(cfg.data, tok, on_ray)
+    eval_files = _eval_files(cfg, tok)
+    _report_fields(data, cfg.data.unused_fields, evaluation=eval_files.values())
     if resume:
         same_as_before(run_dir / "examples.parquet", data.train, ["example_id", "n_tokens"])
         same_as_before(run_dir / "eval_examples.parquet", data.eval, ["example_id"])
@@ -191,7 +222,10 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
     )
     if data.rejected:
         print(f"[ray-cluster-ft] rejected rows and their reasons: {run_dir / 'rejected.jsonl'}", flush=True)
-    eval_files = _eval_files(cfg, tok, run_dir)
+    if cfg.evaluation.paths:
+        with open(claim(run_dir, "eval_rejected.jsonl"), "w", encoding="utf-8") as fh:
+            for res in eval_files.values():
+                fh.writelines(rej.to_json() + "\n" for rej in res.rejected)
     candidates = set(data.train.column("example_id").to_pylist())
     overlap = {path: len(candidates.intersection(res.train.column("example_id").to_pylist()))
                for path, res in eval_files.items()}
@@ -199,19 +233,41 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> DataOutput:
     return DataOutput(model_path, tok, int(tok.pad_token_id), data, reasons, eval_files, overlap)
 
 
-def _report_fields(data: DataResult, policy: str, out=None) -> None:
+def _load(d, tok, on_ray: bool | None) -> DataResult:
+    """The training files read in one process or on Ray Data (the same result, :mod:`.ray_data`)."""
+    from .ray_data import load_examples_ray, uses_ray_data
+
+    if on_ray is None and d.source == "files" and d.ray_data_rows is not None:
+        import importlib.util
+
+        on_ray = importlib.util.find_spec("ray") is not None and uses_ray_data(d)
+        if on_ray:
+            import ray
+
+            on_ray = ray.is_initialized()
+    if not on_ray:
+        return load_examples(d, tok)
+    print(f"[ray-cluster-ft] data: reading and tokenizing on Ray Data (data.ray_data_rows={d.ray_data_rows})",
+          flush=True)
+    return load_examples_ray(d, tok)
+
+
+def _report_fields(data: DataResult, policy: str, out=None, evaluation: Iterable[DataResult] = ()) -> None:
     """The formats per file on the console, and the unused text fields by ``data.unused_fields``: one warning
     per file and field (``warn``), or a ``ConfigError`` naming every one (``error``), before anything is written.
+    The ``evaluation.paths`` files' results (``evaluation``) are held to the same policy, named "evaluation file".
 
     Raises:
         ConfigError: ``policy == "error"`` and some text field went unused.
     """
-    for src, per in data.formats.items():
-        fmts = ", ".join(f"{f} ({n})" for f, n in sorted(per.items(), key=lambda kv: -kv[1]))
-        print(f"[ray-cluster-ft] {src}: format {fmts}", file=out, flush=True)
-    lines = [f"{src}: field {name!r} is not used by the row format in {n} row{'' if n == 1 else 's'}; to train "
-             f"on it: {data.hints[src][name]}"
-             for src, fields in data.unused.items() for name, n in fields.items()]
+    lines = []
+    for label, res in [("", data)] + [("evaluation file ", r) for r in evaluation]:
+        for src, per in res.formats.items():
+            fmts = ", ".join(f"{f} ({n})" for f, n in sorted(per.items(), key=lambda kv: -kv[1]))
+            print(f"[ray-cluster-ft] {label}{src}: format {fmts}", file=out, flush=True)
+        lines += [f"{label}{src}: field {name!r} is not used by the row format in {n} row{'' if n == 1 else 's'}; "
+                  f"to train on it: {res.hints[src][name]}"
+                  for src, fields in res.unused.items() for name, n in fields.items()]
     if not lines or policy == "ignore":
         return
     if policy == "error":
@@ -221,26 +277,31 @@ def _report_fields(data: DataResult, policy: str, out=None) -> None:
         print(f"[ray-cluster-ft] warning: {line}", file=out, flush=True)
 
 
-def _eval_files(cfg: JobConfig, tok, run_dir: Path) -> dict[str, DataResult]:
-    """The ``evaluation.paths`` files, read and tokenized like the training data, every accepted row kept for
-    scoring (none held out, none a candidate); their rejections go to ``eval_rejected.jsonl``."""
+def _eval_config(cfg: JobConfig, path: str, limit: int | None = None):
+    """The data section that reads one ``evaluation.paths`` entry as the training files are read (same format,
+    columns, template settings), every accepted row kept (none held out)."""
     from ..config import DataConfig
-    from ..rundir import claim
 
-    out: dict[str, DataResult] = {}
-    if not cfg.evaluation.paths:
-        return out
     d = cfg.data
-    with open(claim(run_dir, "eval_rejected.jsonl"), "w", encoding="utf-8") as fh:
-        for path in cfg.evaluation.paths:
-            one = DataConfig(source="files", paths=[path], max_seq_len=d.max_seq_len, overlong=d.overlong,
-                             eval_fraction=0.0, max_eval=0, seed=d.seed, format=d.format, columns=d.columns,
-                             train_on=d.train_on, default_system_prompt=d.default_system_prompt)
-            try:
-                out[path] = load_examples(one, tok)
-            except FileNotFoundError as err:  # else it reads as a data.paths file
-                raise FileNotFoundError(f"evaluation.paths: {err}") from None
-            fh.writelines(rej.to_json() + "\n" for rej in out[path].rejected)
+    return DataConfig(source="files", paths=[path], max_seq_len=d.max_seq_len, overlong=d.overlong,
+                      eval_fraction=0.0, max_eval=0, seed=d.seed, format=d.format, columns=d.columns,
+                      train_on=d.train_on, default_system_prompt=d.default_system_prompt,
+                      unused_fields=d.unused_fields, limit=limit)
+
+
+def _eval_files(cfg: JobConfig, tok, limit: int | None = None) -> dict[str, DataResult]:
+    """The ``evaluation.paths`` files, read and tokenized like the training data (:func:`_eval_config`), every
+    accepted row kept for scoring (none held out, none a candidate); at most ``limit`` rows per file.
+
+    Raises:
+        FileNotFoundError: a file is missing (the message starts ``evaluation.paths:``).
+    """
+    out: dict[str, DataResult] = {}
+    for path in cfg.evaluation.paths:
+        try:
+            out[path] = load_examples(_eval_config(cfg, path, limit), tok)
+        except FileNotFoundError as err:  # else it reads as a data.paths file
+            raise FileNotFoundError(f"evaluation.paths: {err}") from None
     return out
 
 

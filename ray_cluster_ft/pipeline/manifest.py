@@ -182,11 +182,13 @@ def write_manifest(run_dir: Path, manifest: dict) -> None:
 
 def _eval_files(data, before, after) -> dict:
     """Per ``evaluation.paths`` file: rows read, scored and rejected, rows that are also training candidates
-    (same content hash: the file overlaps the training data), and the scores before and after training."""
+    (same content hash: the file overlaps the training data), per file it names the formats and unused text
+    fields (``data_files``, as the top-level ``data_files``), and the scores before and after training."""
     out = {}
+    stats = data.eval_file_stats
     for path, res in data.eval_files.items():
         out[path] = {"read": res.n_read, "scored": res.train.num_rows, "rejected": len(res.rejected),
-                     "overlap_with_candidates": data.eval_overlap[path],
+                     "overlap_with_candidates": data.eval_overlap[path], "data_files": stats[path],
                      "before": before.files.get(path, {}) if before else {},
                      "after": after.files.get(path, {}) if after else {}}
     return out

@@ -62,9 +62,9 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     if cfg.sketch.store and needs_clusters(cfg):
         check_store(cfg.sketch.store)
 
-    # Before Ray: a bad config or bad data fails fast.
+    # Before Ray: a bad config or bad data fails fast (a pool of data.ray_data_rows rows is read on its own Ray).
     with timer.stage("data"):
-        ds = data.run(cfg, run_dir, resume=resume)
+        ds = _data_stage(cfg, run_dir, address, resume)
     cand = ds.result.train
     check_against_data(cfg, cand.num_rows, ds.result.n_read, int(np.sum(cand.column("n_tokens").to_numpy())))
     clustered = needs_clusters(cfg)
@@ -133,7 +133,7 @@ def run_features(cfg: JobConfig, address: str | None = None) -> dict:
     cfg, _, _ = _prepare(cfg, run_dir, False)
     check_store(cfg.sketch.store)
     with timer.stage("data"):
-        ds = data.run(cfg, run_dir)
+        ds = _data_stage(cfg, run_dir, address, False)
     cand = ds.result.train
     if cand.num_rows == 0:
         raise ConfigError(f"no candidate rows to featurise: {ds.result.n_read} read, {len(ds.result.rejected)} "
@@ -145,6 +145,16 @@ def run_features(cfg: JobConfig, address: str | None = None) -> dict:
     claim(run_dir, "manifest.json")
     write_manifest(run_dir, manifest)
     return manifest
+
+
+def _data_stage(cfg: JobConfig, run_dir: Path, address: str | None, resume: bool):
+    """The data stage; on Ray Data (a Ray session of its own, shut down after it if it started one) when the
+    files hold ``data.ray_data_rows`` rows or more (:func:`ray_cluster_ft.data.ray_data.uses_ray_data`)."""
+    from ..data.ray_data import uses_ray_data
+
+    big = uses_ray_data(cfg.data)
+    with _session(big, address, cfg.train.use_gpu):
+        return data.run(cfg, run_dir, resume=resume, on_ray=big)
 
 
 def _features_in_driver(cfg: JobConfig, n_candidates: int) -> bool:

@@ -167,6 +167,11 @@ def _eval_lines(manifest: dict) -> list[str]:
                           "MC before", "MC after", "pass@1 before", "pass@1 after"], rows), ""]
         if not any(f["before"] or f["after"] for f in files.values()):
             lines += ["Not scored: this run evaluated nothing (`--plan-only`).", ""]
+        unused = [f"`{src}`: " + ", ".join(f"{k} ({n})" for k, n in per["unused_fields"].items())
+                  for f in files.values() for src, per in (f.get("data_files") or {}).items() if per["unused_fields"]]
+        if unused:
+            lines += ["Text fields of these files that their row format does not use, so not scored "
+                      "(`data.unused_fields`; rows): " + "; ".join(unused) + ".", ""]
     return lines
 
 

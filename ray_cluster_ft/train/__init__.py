@@ -16,18 +16,20 @@ Artifacts written under ``run_dir``:
 - ``final_model/``: the trained model in Hugging Face format plus the tokenizer (``save_model=True``).
 """
 
-from .deepspeed import build_deepspeed_config
-from .driver import TrainOutput, TrainResult, run, train, verify_trained
-from .rank_data import build_rank_tables
-from .step import micro_batch_to_device
+from .._lazy import lazy_exports
 
-__all__ = [
-    "TrainOutput",
-    "TrainResult",
-    "build_deepspeed_config",
-    "build_rank_tables",
-    "micro_batch_to_device",
-    "run",
-    "train",
-    "verify_trained",
-]
+# Imported on first use (PEP 562): `ray-cluster-ft check` builds the DeepSpeed config without importing Ray.
+_WHERE = {
+    "build_deepspeed_config": "deepspeed",
+    "TrainOutput": "driver",
+    "TrainResult": "driver",
+    "run": "driver",
+    "train": "driver",
+    "verify_trained": "driver",
+    "build_rank_tables": "rank_data",
+    "micro_batch_to_device": "step",
+}
+
+__all__ = sorted(_WHERE)
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -97,3 +97,13 @@ def test_paper_setup_runs(tiny_model_dir, tmp_path):
                "--arms", "full", "ours", "--out", str(tmp_path / "e2e"), timeout=900)
     assert (tmp_path / "e2e" / "report.md").is_file() and (tmp_path / "e2e" / "end_to_end.json").is_file()
     assert "budget_effective" in fig
+
+
+def test_data_throughput_runs(tiny_model_dir, tmp_path):
+    out = tmp_path / "dt.json"
+    fig = _run("data_throughput.py", "--rows", "300", "--cpus", "2", "--model", str(tiny_model_dir),
+               "--chunk-bytes", "4096", "--out", str(out))
+    (size,) = fig["sizes"]
+    assert size["rows"] == 300 and size["same"] is True and size["single_rows_per_s"] > 0 and size["ray_rows_per_s"] > 0
+    assert size["accepted"] + size["rejected"] == 300 and size["rejected"] > 0  # the malformed lines and repeats
+    assert json.loads(out.read_text()) == fig

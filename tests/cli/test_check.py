@@ -73,3 +73,82 @@ def test_run_with_unused_fields_error_stops_before_ray(tmp_path, tiny_model_dir,
     warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning:" in ln]
     assert warned == [f"[ray-cluster-ft] warning: {tmp_path / 'pr.jsonl'}: field 'input' is not used by the row "
                       "format in 1 row; to train on it: data.columns: {prompt: [prompt, input]}"]
+
+
+_CHECK_IMPORTS = """
+import json, sys
+import ray_cluster_ft
+loaded = {"after_import": sorted(m for m in ("ray", "torch", "transformers") if m in sys.modules)}
+from ray_cluster_ft.cli import main
+rc = main(["check", sys.argv[1]])
+loaded["after_check"] = sorted(m for m in ("ray", "torch") if m in sys.modules)
+ray_cluster_ft.compute_sketches  # the lazy name resolves, and its module brings torch
+loaded["after_compute_sketches"] = sorted(m for m in ("ray", "torch") if m in sys.modules)
+print(json.dumps({"rc": rc, **loaded}), file=sys.stderr)
+"""
+
+
+def test_check_imports_neither_ray_nor_torch(tmp_path, tiny_model_dir):
+    """The package imports its stages on first use (PEP 562), and ``check`` loads the tokenizer through the class
+    that needs no torch: a fresh interpreter running the check path has not imported Ray or torch."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "pr.jsonl").write_text('{"prompt": "2+2?", "response": "4"}\n{"prompt": "3+3?", "response": "6"}\n')
+    spec = _spec(tmp_path, tiny_model_dir, [tmp_path / "pr.jsonl"])
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _CHECK_IMPORTS, str(spec)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert loaded == {"rc": 0, "after_import": [], "after_check": [], "after_compute_sketches": ["torch"]}
+    assert "[[4<|im_end|>\n]]" in proc.stderr  # the check did tokenize and show the trained text
+
+
+def test_checks_tokenizer_is_the_one_run_loads(tiny_model_dir, tmp_path):
+    """:func:`generic_tokenizer` (no torch) gives the class, chat text, ids and pad id that ``AutoTokenizer``
+    gives for the same folder; a folder ``AutoTokenizer`` could load otherwise (remote code) is left to it."""
+    import shutil
+
+    from ray_cluster_ft.data.tokenize import tokenize_rows
+    from ray_cluster_ft.model import generic_tokenizer, load_tokenizer
+
+    fast, auto = generic_tokenizer(tiny_model_dir), load_tokenizer(str(tiny_model_dir))
+    assert type(fast) is type(auto) and fast.pad_token_id == auto.pad_token_id
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"},
+              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Größe 2+2? 日本"},
+              {"role": "assistant", "content": "4"}],
+             [{"role": "user", "content": "def f():"}, {"role": "assistant", "content": "    return 1\n"}]]
+    assert tokenize_rows(chats, fast, 256) == tokenize_rows(chats, auto, 256)
+    assert fast.apply_chat_template(chats[0], tokenize=False) == auto.apply_chat_template(chats[0], tokenize=False)
+    remote = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, remote)
+    conf = json.loads((remote / "tokenizer_config.json").read_text())
+    (remote / "tokenizer_config.json").write_text(json.dumps({**conf, "auto_map": {"AutoTokenizer": ["x.Y", None]}}))
+    assert generic_tokenizer(remote) is None and generic_tokenizer(tiny_model_dir, trust_remote_code=True) is None
+
+
+def test_check_samples_evaluation_files_with_the_same_unused_fields_policy(tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "2+2?", "response": "4"}\n')
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"prompt": "Summarize.", "response": "Short.", "input": "The paragraph."}\n{"text": "a b"}\n')
+    spec = yaml.safe_load(_spec(tmp_path, tiny_model_dir, [tmp_path / "train.jsonl"]).read_text())
+    spec["evaluation"] = {"paths": [str(held)]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["check", str(tmp_path / "job.yaml")]) == 0
+    err = capsys.readouterr().err
+    assert (f"[ray-cluster-ft] check: evaluation file {held}: 2 rows; of the first 2: 1 accepted, 1 rejected "
+            "{'missing field': 1}") in err
+    assert (f"[ray-cluster-ft] warning: evaluation file {held}: field 'input' is not used by the row format in 1 "
+            "row; to train on it: data.columns: {prompt: [prompt, input]}") in err
+    spec["data"]["unused_fields"] = "error"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["check", str(tmp_path / "job.yaml")]) == 2
+    assert f"evaluation file {held}: field 'input' is not used" in capsys.readouterr().err
+    spec["evaluation"] = {"paths": [str(tmp_path / "nope.jsonl")]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["check", str(tmp_path / "job.yaml")]) == 2
+    assert f"evaluation.paths: data file not found: {tmp_path / 'nope.jsonl'}" in capsys.readouterr().err

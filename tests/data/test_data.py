@@ -147,9 +147,46 @@ def test_evaluation_files_that_overlap_the_candidates_or_score_nothing_are_warne
     out = capsys.readouterr().out
     assert f"warning: 3 of the 5 rows of evaluation file {overlap} are also training candidates" in out
     assert f"warning: evaluation file {empty} has no row to score (0 read, 0 rejected" in out
-    assert str(clean) not in out
+    assert not [ln for ln in out.splitlines() if str(clean) in ln and "warning" in ln]  # only its format line
     assert stage.eval_files[str(clean)].train.num_rows == 1
     missing = tmp_path / "missing.jsonl"
     cfg = cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"paths": [str(missing)]})})
     with pytest.raises(FileNotFoundError, match=f"^evaluation.paths: data file not found: {missing}$"):
         run(cfg, tmp_path / "run")  # named by its key: a data.paths file reads the same
+
+
+def test_evaluation_files_are_held_to_the_unused_fields_policy(tmp_path, tiny_model_dir, capsys):
+    from ray_cluster_ft.config import ConfigError, parse_config
+    from ray_cluster_ft.data.stage import run
+    from ray_cluster_ft.pipeline.manifest import _eval_files as manifest_eval_files
+    from ray_cluster_ft.rundir import prepare_run_dir
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"question {i}", "response": f"answer {i}"}) + "\n"
+                             for i in range(4)))
+    held = tmp_path / "held.jsonl"  # a renamed Alpaca row: its input would not be scored
+    held.write_text(json.dumps({"prompt": "Summarize.", "response": "Short.", "input": "The paragraph to sum."})
+                    + "\n" + json.dumps({"prompt": "Name a colour.", "response": "Red."}) + "\n")
+    spec = {"data": {"paths": [str(train)], "eval_fraction": 0.0}, "model": {"path": str(tiny_model_dir)},
+            "evaluation": {"paths": [str(held)]}, "output": {"dir": str(tmp_path / "run")}}
+    prepare_run_dir(tmp_path / "run", resume=False)
+    stage = run(parse_config(spec), tmp_path / "run")
+    out = capsys.readouterr().out
+    assert f"[ray-cluster-ft] evaluation file {held}: format prompt_response (2)" in out
+    assert [ln for ln in out.splitlines() if "warning:" in ln] == [
+        f"[ray-cluster-ft] warning: evaluation file {held}: field 'input' is not used by the row format in 1 row; "
+        "to train on it: data.columns: {prompt: [prompt, input]}"]
+    entry = manifest_eval_files(stage, None, None)[str(held)]
+    assert entry["data_files"] == {str(held): {"rows": 2, "formats": {"prompt_response": 2},
+                                               "unused_fields": {"input": 1}}}
+    assert (entry["read"], entry["scored"]) == (2, 2)
+
+    spec["data"]["unused_fields"] = "error"
+    prepare_run_dir(tmp_path / "run2", resume=False)
+    with pytest.raises(ConfigError, match=rf"\n  evaluation file {held}: field 'input' is not used by the row "
+                                          r"format in 1 row"):
+        run(parse_config(spec), tmp_path / "run2")
+    assert not (tmp_path / "run2" / "examples.parquet").exists()  # refused before anything is written
+    spec["data"]["unused_fields"] = "ignore"
+    run(parse_config(spec), tmp_path / "run2")
+    assert "warning" not in capsys.readouterr().out

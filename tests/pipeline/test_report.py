@@ -30,3 +30,21 @@ def test_what_is_trained_section(tmp_path, demo_tokenizer):
     section = report.split("## What is trained\n", 1)[1].split("\n## ", 1)[0]
     assert "| `/d/a.jsonl` | 5 | alpaca (4), prompt_response (1) | note (2) |" in section
     assert f"```\n{shown}\n```" in section
+
+
+def test_extra_held_out_files_name_their_unused_fields(tmp_path):
+    from ray_cluster_ft.allocate import make_plan
+    from ray_cluster_ft.pipeline.report import write_report
+
+    plan = make_plan(np.array([f"e{i}" for i in range(8)]), np.arange(8) % 2, np.full(8, 10), 2, 2).plan
+    files = {"/x/a.jsonl": {"rows": 3, "formats": {"prompt_response": 3}, "unused_fields": {"input": 2}},
+             "/x/b.jsonl": {"rows": 1, "formats": {"alpaca": 1}, "unused_fields": {}}}
+    manifest = {"counts": {k: 8 for k in ("read", "accepted", "selected", "trained")} | {
+                    "rejected": 0, "held_out": 0, "not_selected": 0},
+                "timings_s": {"total": 1.0}, "eval": {"before": {}, "after": {}},
+                "eval_files": {"/x/*.jsonl": {"read": 4, "scored": 4, "rejected": 0, "overlap_with_candidates": 0,
+                                              "data_files": files, "before": {}, "after": {}}}}
+    report = write_report(tmp_path, manifest, plan, None, np.arange(8)).read_text()
+    section = report.split("## Extra held-out files (`evaluation.paths`)\n", 1)[1].split("\n## ", 1)[0]
+    assert ("Text fields of these files that their row format does not use, so not scored (`data.unused_fields`; "
+            "rows): `/x/a.jsonl`: input (2).") in section
