@@ -96,7 +96,7 @@ def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *
             ``pyarrow.Table`` already tokenized (``example_id``, ``input_ids``, ``labels``, ``n_tokens`` as in
             :data:`ray_cluster_ft.data.EXAMPLE_SCHEMA`, plus ``text`` for ``sketch.method: embedding``).
         model: the model to tokenize and sketch with: ``demo``, a local folder or a hub id (downloaded once by
-            this process into ``model.cache_dir``, else ``~/.cache/ray-cluster-ft/models``). For ``embedding``
+            this process into ``model.cache_dir``, by default ``~/.cache/ray-cluster-ft/models``, the command line's too). For ``embedding``
             it only counts tokens; the encoder is ``sketch.model`` or the packaged all-MiniLM-L6-v2.
         cfg: a :class:`JobConfig` (its ``sketch``, ``data``, ``model.trust_remote_code``, ``train.num_workers``
             and ``train.use_gpu`` apply) or a :class:`SketchConfig`.
@@ -163,13 +163,11 @@ def _sketch_settings(cfg) -> tuple[SketchConfig, JobConfig | None]:
 
 
 def _model_cache(job: JobConfig | None) -> Path:
-    """Where a ``demo`` conversion or a hub download goes for the library API: ``model.cache_dir`` as an
-    absolute or working-directory-relative folder, else this machine's cache (there is no run directory)."""
-    from .model import cache_dir
+    """Where a ``demo`` conversion or a hub download goes for the library API: ``model.cache_dir`` resolved as the
+    command line resolves it (:func:`ray_cluster_ft.model.model_cache_dir`; one default for both)."""
+    from .model import model_cache_dir
 
-    if job is not None and job.model.cache_dir:
-        return Path(job.model.cache_dir).expanduser().resolve()
-    return cache_dir() / "models"
+    return model_cache_dir(job.model.cache_dir, job.output.dir) if job is not None else model_cache_dir(None)
 
 
 def _sketch_model(sk: SketchConfig, model_path: str, cache: Path) -> str:
