@@ -42,6 +42,7 @@ from .torch import (
     ExamplesDataset,
     PlanBatchSampler,
     TokenCollator,
+    is_packed_plan,
     micro_batch_loss,
     plan_loss_weights,
     plan_shape,
@@ -123,13 +124,6 @@ def _token_table(dataset, ids: Sequence[str], positions: np.ndarray) -> pa.Table
                      "labels": pa.array(rows_labels, pa.list_(pa.int64()))})
 
 
-def _is_packed(plan: pd.DataFrame) -> bool:
-    """A packed plan (``allocation.packing``): its micro-batches do not all hold the same number of rows."""
-    if "micro_index" not in plan.columns or "rank" not in plan.columns or "step" not in plan.columns:
-        return False
-    return plan.groupby(["rank", "step", "micro_index"], sort=False).size().nunique() > 1
-
-
 def plan_args(args: TrainingArguments, plan: pd.DataFrame, micro_batch_size: int | None = None
               ) -> tuple[TrainingArguments, bool]:
     """A copy of ``args`` with what the plan fixes, after the checks every plan trainer makes.
@@ -150,7 +144,7 @@ def plan_args(args: TrainingArguments, plan: pd.DataFrame, micro_batch_size: int
             f"divide the token-exact loss by gradient_accumulation_steps again; upgrade transformers"
         )
     args = copy.copy(args)
-    packed = _is_packed(plan)
+    packed = is_packed_plan(plan)
     shape = plan_shape(plan, packed=packed)
     if shape.world_size != args.world_size:
         raise ValueError(world_size_message(shape.world_size, args.world_size, "this Trainer",
