@@ -96,6 +96,8 @@ class PlanSFTTrainer(PlanTrainer, SFTTrainer):
             ``False`` trains ``plan`` as it is (an unpacked plan only).
         allocation: the allocation settings of the re-plan (the run's ``config.yaml`` ``allocation`` section, or
             an ``AllocationConfig``); default the package's.
+        micro_batch_size: rows per micro-batch of the re-plan; default the plan's, for a packed plan the mean
+            rows per pack (rounded down).
 
     Attributes:
         plan: the plan trained (the re-made one with ``replan``); ``plan_sampler``, ``plan_weights``,
@@ -108,7 +110,8 @@ class PlanSFTTrainer(PlanTrainer, SFTTrainer):
 
     def __init__(self, model=None, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, *, plan: pd.DataFrame, weights: pd.Series | None = None,
-                 trained_log: str | Path | None = None, replan: bool = True, allocation: Any = None, **kwargs):
+                 trained_log: str | Path | None = None, replan: bool = True, allocation: Any = None,
+                 micro_batch_size: int | None = None, **kwargs):
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("PlanSFTTrainer computes the token-exact loss itself; do not pass compute_loss_func")
         if train_dataset is None:
@@ -121,8 +124,9 @@ class PlanSFTTrainer(PlanTrainer, SFTTrainer):
         if packed and not replan:
             raise ValueError("a packed plan (allocation.packing) cannot be trained as it is on TRL's tokens: keep "
                              "replan=True, or select with allocation.packing: false")
-        # A packed plan has no rows-per-micro-batch: the re-plan takes args' per_device_train_batch_size.
-        args, _ = plan_args(args, plan, micro_batch_size=args.per_device_train_batch_size if packed else None)
+        if micro_batch_size is None and packed:  # a pack holds any number of rows: as many as a pack on average
+            micro_batch_size = max(1, len(plan) // len(plan.drop_duplicates(["rank", "epoch", "step", "micro_index"])))
+        args, _ = plan_args(args, plan, micro_batch_size=micro_batch_size if replan else None)
         SFTTrainer.__init__(self, model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                             eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         ids, table = _prepared_tokens(self.train_dataset)
