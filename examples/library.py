@@ -43,6 +43,7 @@ sampler = PlanBatchSampler(plan.plan, data.example_ids, 0, packed=packed)
 loader = DataLoader(data, batch_sampler=sampler, collate_fn=TokenCollator(packed=packed))
 weights = plan.selection.set_index("example_id")["weight"]
 model = AutoModelForCausalLM.from_pretrained(resolve_model_path(a.model))  # demo: the shared model cache
+model.train()  # from_pretrained returns the model in eval mode
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 for i, (batch, mw) in enumerate(zip(loader, plan_loss_weights(plan.plan, feats.examples, 0, weights, packed=packed))):
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}

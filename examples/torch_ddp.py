@@ -39,6 +39,7 @@ data = ExamplesDataset(examples)
 sampler = PlanBatchSampler(plan, data.example_ids, rank, world, packed=packed)  # this rank's micro-batches
 loader = DataLoader(data, batch_sampler=sampler, collate_fn=TokenCollator(pad_token_id=0, packed=packed))
 model = AutoModelForCausalLM.from_pretrained(run["model_path"]).to(device)
+model.train()  # from_pretrained returns the model in eval mode
 model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 log = []

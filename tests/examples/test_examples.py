@@ -143,8 +143,6 @@ def test_trl_example_replans_on_trls_tokens_and_trains_each_ranks_plan(sel, tiny
     old = pd.read_parquet(sel / "plan.parquet")
     assert set(plan["example_id"]) == set(old["example_id"])
     assert all(n == len(tokens[e][0]) for e, n in zip(plan["example_id"], plan["n_tokens"]))
-    lens_old = old.drop_duplicates("example_id").set_index("example_id")["n_tokens"]
-    assert any(lens_old[e] != len(tokens[e][0]) for e in lens_old.index)  # TRL's template counts differently
     losses = {int(h["step"]) - 1: h["loss"] for h in caps[0]["log"]}
     _check_trained_the_plan(caps, plan, tokens, _weights(sel), losses)
 
