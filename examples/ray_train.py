@@ -28,7 +28,7 @@ MICRO_BATCH = ("epoch", "step", "micro_index")
 
 def train_loop(cfg):
     device = ray.train.torch.get_device()
-    model = ray.train.torch.prepare_model(AutoModelForCausalLM.from_pretrained(cfg["model_path"]))
+    model = ray.train.torch.prepare_model(AutoModelForCausalLM.from_pretrained(cfg["model_path"]).train())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     world = ray.train.get_context().get_world_size()
     collate = TokenCollator(pad_token_id=0, packed=cfg["packed"])

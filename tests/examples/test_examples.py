@@ -179,3 +179,23 @@ def test_ray_train_example_trains(sel, tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = pd.read_parquet(sel / "plan.parquet")["step"].nunique()
     assert f"trained {steps} steps on 2 workers" in proc.stdout
+
+
+@pytest.mark.slow
+def test_docs_trl_example_runs_as_written_on_cpu(sel, tiny_model_dir, tmp_path):
+    """docs/library.md's TRL block, only its paths line pointed at the select folder and the tiny model, under
+    torchrun x2 on CPUs: every planned row trained once, by one rank."""
+    pytest.importorskip("trl")
+    from tests.integrations._helpers import readme_example
+
+    script = tmp_path / "train_trl.py"
+    script.write_text(readme_example("trl", sel, tiny_model_dir))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(script)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    trained = pd.concat([pd.read_json(tmp_path / "trl_out" / f"trained_rank{r}.jsonl", lines=True,
+                                      dtype={"example_id": str}).assign(r=r) for r in (0, 1)])
+    planned = pd.read_parquet(sel / "plan.parquet")["example_id"]
+    assert sorted(trained["example_id"]) == sorted(planned)  # one epoch: each planned row once
+    assert (trained["rank"] == trained["r"]).all()
