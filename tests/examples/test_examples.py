@@ -173,9 +173,16 @@ def test_library_example_runs_from_a_fresh_directory(tiny_model_dir, tmp_path):
 def test_ray_train_example_trains(sel, tiny_model_dir, tmp_path):
     cmd = [sys.executable, str(EXAMPLES / "ray_train.py"), str(sel), "--model", str(tiny_model_dir),
            "--storage", str(tmp_path / "ray")]
-    env = {**_env(), "RAY_TMPDIR": str(tmp_path / "rt")}
-    os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    import shutil
+    import tempfile
+
+    # Ray's socket paths must stay under 107 bytes: a short temp dir of its own, not pytest's long one
+    env = {**_env(), "RAY_TMPDIR": tempfile.mkdtemp(prefix="rcft-ex-", dir="/tmp")}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = pd.read_parquet(sel / "plan.parquet")["step"].nunique()
     assert f"trained {steps} steps on 2 workers" in proc.stdout
