@@ -113,8 +113,9 @@ def _token_table(dataset, ids: Sequence[str], positions: np.ndarray) -> pa.Table
             raise ValueError(
                 f"train_dataset row {p} has no input_ids (its fields: {sorted(item)[:8]}): PlanTrainer trains "
                 f"tokenized rows. Pass ExamplesDataset(pd.read_parquet(f'{{run_dir}}/examples.parquet')) (the "
-                f"run's tokens), ExamplesDataset(compute_features(...).examples), or tokenize the rows first "
-                f"(input_ids, labels with -100 on the prompt)")
+                f"run's tokens), ExamplesDataset(compute_features(...).examples), tokenize the rows first "
+                f"(input_ids, labels with -100 on the prompt), or let TRL tokenize them: "
+                f"ray_cluster_ft.integrations.trl.PlanSFTTrainer (re-plans on TRL's token counts)")
         x = item["input_ids"]
         y = item.get("labels") if item.get("labels") is not None else x
         rows_ids.append(np.asarray(x, dtype=np.int64).ravel().tolist())

@@ -142,3 +142,28 @@ def test_plan_trainer_given_untokenised_rows_says_what_to_use_instead(tmp_path, 
                                          r"ExamplesDataset"):
         PlanTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
                     args=_config(tmp_path), train_dataset=_rows(), plan=_plan())
+
+
+def test_selected_dataset_reads_the_planned_rows_as_prompt_completion(tmp_path):
+    import yaml
+
+    from ray_cluster_ft.integrations.trl import selected_dataset
+    from tests.api.test_export_formats import _run
+
+    _, run_dir, spec = _run(tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.yaml is missing"):
+        selected_dataset(run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(spec))
+    ds = selected_dataset(run_dir)
+    plan = pd.read_parquet(run_dir / "plan.parquet")
+    assert ds["example_id"] == list(pd.unique(plan["example_id"]))  # first-planned order, each row once
+    by_id = dict(zip(ds["example_id"], zip(ds["prompt"], ds["completion"])))
+    rows = {r["example_id"]: r for r in ds.to_list()}
+    assert len(rows) == 3
+    got = sorted(by_id.values(), key=lambda pc: pc[0][-1]["content"])
+    assert got == [
+        ([{"role": "user", "content": "Add 2 and 3."}], [{"role": "assistant", "content": "5"}]),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}],
+         [{"role": "assistant", "content": "Paris"}]),
+        ([{"role": "user", "content": "Ünïcode?"}], [{"role": "assistant", "content": "yes"}]),
+    ]
