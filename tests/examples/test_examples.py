@@ -54,9 +54,11 @@ def _env() -> dict:
             "HF_DATASETS_OFFLINE": "1"}
 
 
-def _torchrun(script: str, run_dir: Path, model: Path, cwd: Path) -> list[dict]:
+def _torchrun(script: str, run_dir: Path, model: Path | None, cwd: Path) -> list[dict]:
+    """``model`` None: the script's default, the model the run's manifest.json names."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(CAPTURE), str(cwd), str(EXAMPLES / script), str(run_dir), "--model", str(model)]
+           str(free_port()), str(CAPTURE), str(cwd), str(EXAMPLES / script), str(run_dir)]
+    cmd += ["--model", str(model)] if model is not None else []
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [torch.load(cwd / f"capture_rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -148,7 +150,8 @@ def test_trl_example_replans_on_trls_tokens_and_trains_each_ranks_plan(sel, tiny
 
 
 def test_torch_ddp_example_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path):
-    caps = _torchrun("torch_ddp.py", sel, tiny_model_dir, tmp_path)
+    assert json.loads((sel / "manifest.json").read_text())["models"]["model.path"] == str(tiny_model_dir)
+    caps = _torchrun("torch_ddp.py", sel, None, tmp_path)  # the run's own model, from its manifest
     plan = pd.read_parquet(sel / "plan.parquet")
     losses: dict[int, float] = {}
     for r in (0, 1):
