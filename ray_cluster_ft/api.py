@@ -26,7 +26,7 @@ from .config import (
     needs_clusters,
 )
 
-__all__ = ["Features", "Plan", "compute_features", "select_and_plan", "write_selected"]
+__all__ = ["EXPORT_FORMATS", "Features", "Plan", "compute_features", "select_and_plan", "write_selected"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def compute_features(rows_or_table, model: str, cfg: JobConfig | SketchConfig, *
             ``pyarrow.Table`` already tokenized (``example_id``, ``input_ids``, ``labels``, ``n_tokens`` as in
             :data:`ray_cluster_ft.data.EXAMPLE_SCHEMA`, plus ``text`` for ``sketch.method: embedding``).
         model: the model to tokenize and sketch with: ``demo``, a local folder or a hub id (downloaded once by
-            this process into ``model.cache_dir``, else ``~/.cache/ray-cluster-ft/models``). For ``embedding``
+            this process into ``model.cache_dir``, by default ``~/.cache/ray-cluster-ft/models``, the command line's too). For ``embedding``
             it only counts tokens; the encoder is ``sketch.model`` or the packaged all-MiniLM-L6-v2.
         cfg: a :class:`JobConfig` (its ``sketch``, ``data``, ``model.trust_remote_code``, ``train.num_workers``
             and ``train.use_gpu`` apply) or a :class:`SketchConfig`.
@@ -163,13 +163,11 @@ def _sketch_settings(cfg) -> tuple[SketchConfig, JobConfig | None]:
 
 
 def _model_cache(job: JobConfig | None) -> Path:
-    """Where a ``demo`` conversion or a hub download goes for the library API: ``model.cache_dir`` as an
-    absolute or working-directory-relative folder, else this machine's cache (there is no run directory)."""
-    from .model import cache_dir
+    """Where a ``demo`` conversion or a hub download goes for the library API: ``model.cache_dir`` resolved as the
+    command line resolves it (:func:`ray_cluster_ft.model.model_cache_dir`; one default for both)."""
+    from .model import model_cache_dir
 
-    if job is not None and job.model.cache_dir:
-        return Path(job.model.cache_dir).expanduser().resolve()
-    return cache_dir() / "models"
+    return model_cache_dir(job.model.cache_dir, job.output.dir) if job is not None else model_cache_dir(None)
 
 
 def _sketch_model(sk: SketchConfig, model_path: str, cache: Path) -> str:
@@ -351,7 +349,7 @@ SELECTED_COLUMNS = ("example_id", "cluster", "weight", "rank", "step", "source_f
 """The columns :func:`write_selected` adds to each row's own fields (they replace fields of the same name)."""
 
 
-def write_selected(cfg: JobConfig, run_dir: str | Path) -> tuple[Path, Path]:
+def write_selected(cfg: JobConfig, run_dir: str | Path, fmt: str | None = None) -> tuple[Path, ...]:
     """The ``select`` command's export: every row of ``selection.parquet`` as it was read from the sources
     (its original fields), plus ``example_id``, ``cluster``, ``weight``, the ``rank`` and ``step`` of its
     first appearance in ``plan.parquet``, and ``source_file`` / ``source_line`` (where it was read), written to ``selected.jsonl`` and ``selected.parquet`` (in the order
@@ -360,53 +358,95 @@ def write_selected(cfg: JobConfig, run_dir: str | Path) -> tuple[Path, Path]:
     Parquet columns are the union of the rows' fields (missing ones null); a field whose values mix types
     (a number in one row, text in another) is stored as JSON text there. The JSONL keeps every value as read.
 
+    ``fmt`` (``select --format``) also writes the rows for another trainer, as the chat messages the data stage
+    read from each row (whatever its format), in the same order (line i is row i of ``selected.jsonl``):
+    ``llamafactory``: ``llamafactory/selected.jsonl`` (``{"messages": [{"role", "content"}, ...]}`` per line)
+    and ``llamafactory/dataset_info.json`` with the entry :data:`LLAMAFACTORY_DATASET` (sharegpt formatting,
+    OpenAI role tags), for ``dataset_dir: <run_dir>/llamafactory`` and ``dataset: ray_cluster_ft_selected``;
+    ``axolotl``: ``axolotl/selected.jsonl`` (the same lines), a ``type: chat_template`` dataset
+    (``field_messages: messages``). Neither trainer reads the plan's order or the weights.
+
     Args:
         cfg: the job config of the run (its ``data`` section names the sources).
         run_dir: a run directory with ``selection.parquet`` and ``plan.parquet`` (after ``--plan-only``).
+        fmt: ``None`` (the two files only) or one of :data:`EXPORT_FORMATS`.
 
     Returns:
-        ``(selected.jsonl, selected.parquet)`` paths.
+        ``(selected.jsonl, selected.parquet)`` paths, then the files ``fmt`` wrote.
 
     Raises:
+        ValueError: an unknown ``fmt``.
         RuntimeError: a selected example is no longer in the sources (they changed since the run).
         ConfigError: the names exist in ``run_dir`` but no run wrote them.
     """
     from .rundir import claim
 
+    if fmt is not None and fmt not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {list(EXPORT_FORMATS)}")
     run_dir = Path(run_dir)
-    records = _selected_records(cfg, run_dir)
-    jsonl = claim(run_dir, "selected.jsonl", "selected.parquet")
+    records, messages = _selected_records(cfg, run_dir)
+    jsonl = claim(run_dir, "selected.jsonl", "selected.parquet", *([fmt] if fmt else []))
     with open(jsonl, "w", encoding="utf-8") as fh:
         for rec in records:
             fh.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
     parquet = run_dir / "selected.parquet"
     _write_parquet(records, parquet)
-    return jsonl, parquet
+    return (jsonl, parquet) + (_write_for_trainer(run_dir / fmt, fmt, messages) if fmt else ())
 
 
-def _selected_records(cfg: JobConfig, run_dir: Path) -> list[dict]:
-    """One dict per selected row: the row as read, then the :data:`SELECTED_COLUMNS`."""
+EXPORT_FORMATS = ("llamafactory", "axolotl")
+"""The ``select --format`` values: trainers whose own data loaders read the selection (:func:`write_selected`)."""
+
+LLAMAFACTORY_DATASET = "ray_cluster_ft_selected"
+"""The name of the selection in the ``dataset_info.json`` that ``select --format llamafactory`` writes."""
+
+
+def _write_for_trainer(folder: Path, fmt: str, messages: list[list[dict]]) -> tuple[Path, ...]:
+    """``folder/selected.jsonl`` (one ``{"messages": [...]}`` per row) and, for LLaMA-Factory, its
+    ``dataset_info.json`` entry (LLaMA-Factory's sharegpt format with OpenAI-style ``role``/``content`` tags,
+    as its own docs describe for such files)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "selected.jsonl"
+    with open(data, "w", encoding="utf-8") as fh:
+        for msgs in messages:
+            fh.write(json.dumps({"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]},
+                                ensure_ascii=False) + "\n")
+    if fmt == "axolotl":
+        return (data,)
+    info = {LLAMAFACTORY_DATASET: {
+        "file_name": data.name, "formatting": "sharegpt", "columns": {"messages": "messages"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+                 "system_tag": "system"}}}
+    (folder / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return data, folder / "dataset_info.json"
+
+
+def _selected_records(cfg: JobConfig, run_dir: Path) -> tuple[list[dict], list[list[dict]]]:
+    """One dict per selected row (the row as read, then the :data:`SELECTED_COLUMNS`), and its chat messages."""
     sel = pd.read_parquet(run_dir / "selection.parquet")
     plan = pd.read_parquet(run_dir / "plan.parquet", columns=["example_id", "step", "rank", "micro_index"])
     first = plan.sort_values(["step", "rank", "micro_index"], kind="stable").drop_duplicates("example_id")
     first = first.set_index("example_id")
     rows = _original_rows(cfg.data, set(sel["example_id"]))
     where = sel.set_index("example_id") if "source_file" in sel.columns else None
-    out = []
+    out, msgs = [], []
     for eid, cluster, weight in zip(sel["example_id"], sel["cluster"], sel["weight"]):
         extra = {"example_id": eid, "cluster": int(cluster), "weight": float(weight),
                  "rank": int(first.at[eid, "rank"]), "step": int(first.at[eid, "step"])}
         if where is not None:  # selection.parquet of a run before issue 28 has no origins
             extra.update(source_file=str(where.at[eid, "source_file"]), source_line=int(where.at[eid, "source_line"]))
-        out.append({**{k: v for k, v in rows[eid].items() if k not in extra}, **extra})
-    return out
+        row, row_msgs = rows[eid]
+        out.append({**{k: v for k, v in row.items() if k not in extra}, **extra})
+        msgs.append(row_msgs)
+    return out, msgs
 
 
-def _original_rows(data: DataConfig, wanted: set[str]) -> dict[str, dict]:
-    """The first source row of each wanted example id, as read (the data stage keeps the first of duplicates)."""
+def _original_rows(data: DataConfig, wanted: set[str]) -> dict[str, tuple[dict, list[dict]]]:
+    """The first source row of each wanted example id, as read (the data stage keeps the first of duplicates),
+    with its chat messages."""
     from .data.read import rows_by_id
 
-    return {eid: row for eid, (row, _msgs) in rows_by_id(data, wanted).items()}
+    return dict(rows_by_id(data, wanted))
 
 
 def _write_parquet(records: list[dict], path: Path) -> None:

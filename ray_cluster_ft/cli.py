@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     sel.add_argument("config", help="job spec (YAML)")
     sel.add_argument("--output", help="run directory (overrides output.dir)")
     sel.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or a new local Ray)")
+    sel.add_argument("--format", choices=["llamafactory", "axolotl"], dest="export_format",
+                     help="also write the selection for that trainer: llamafactory/ (selected.jsonl and a "
+                          "dataset_info.json entry) or axolotl/ (a chat_template dataset); the plan's order and "
+                          "weights are not used there")
     feat = sub.add_parser("features", help="data and features only, into the feature store (sketch.store): a "
                                             "nightly job prefetches what later runs read")
     feat.add_argument("config", help="job spec (YAML) with sketch.store set")
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             if selecting:
                 from .api import write_selected
 
-                selected = write_selected(cfg, run_dir)
+                selected = write_selected(cfg, run_dir, args.export_format)
     except (ConfigError, FileNotFoundError) as err:
         print(f"ray-cluster-ft: error: {err}", file=sys.stderr)
         return 2
@@ -154,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if selecting:
         print(f"[ray-cluster-ft] selected rows: {selected[0]} and {selected[1]} (with cluster, weight, example_id, "
               f"and the rank and step of each row's first planned appearance)")
+        if len(selected) > 2:
+            print(f"[ray-cluster-ft] for {args.export_format}: {' and '.join(str(p) for p in selected[2:])} (the "
+                  f"plan's order and weights are not used there; docs/library.md)")
     return 0
 
 

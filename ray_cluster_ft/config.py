@@ -165,10 +165,12 @@ class ModelConfig(Section):
         "sdpa", description="attention kernel of the trained model (flash_attention_2 needs the flash-attn package "
                             "on the GPU workers; packs then use its varlen kernel)")
     cache_dir: str | None = Field(
-        None, min_length=1, description="where the driver puts a converted or downloaded model (`demo`, a hub id) "
-                                        "once, on storage "
-                          "every node reads; null = a folder `.model-cache` beside output.dir; a relative path is "
-                          "relative to the folder that holds output.dir")
+        None, min_length=1, description="where the driver (and the library's compute_features) puts a converted "
+                                        "or downloaded model (`demo`, a hub id) once; null = this machine's "
+                                        "`$RAY_CLUSTER_FT_CACHE/models` (default `~/.cache/ray-cluster-ft/models`), "
+                                        "shared by the library and the command line; a relative path is relative "
+                                        "to the folder that holds output.dir. On several nodes set it to storage "
+                                        "every node reads")
 
 
 class SketchConfig(Section):

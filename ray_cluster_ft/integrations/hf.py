@@ -37,17 +37,18 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from transformers import Trainer, TrainingArguments
 
-from ..train.step import token_exact_loss
 from ._launch import world_size_message
 from .torch import (
     ExamplesDataset,
     PlanBatchSampler,
     TokenCollator,
+    is_packed_plan,
+    micro_batch_loss,
     plan_loss_weights,
     plan_shape,
 )
 
-__all__ = ["PlanTrainer"]
+__all__ = ["PlanTrainer", "plan_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,9 @@ def _token_table(dataset, ids: Sequence[str], positions: np.ndarray) -> pa.Table
             raise ValueError(
                 f"train_dataset row {p} has no input_ids (its fields: {sorted(item)[:8]}): PlanTrainer trains "
                 f"tokenized rows. Pass ExamplesDataset(pd.read_parquet(f'{{run_dir}}/examples.parquet')) (the "
-                f"run's tokens), ExamplesDataset(compute_features(...).examples), or tokenize the rows first "
-                f"(input_ids, labels with -100 on the prompt)")
+                f"run's tokens), ExamplesDataset(compute_features(...).examples), tokenize the rows first "
+                f"(input_ids, labels with -100 on the prompt), or let TRL tokenize them: "
+                f"ray_cluster_ft.integrations.trl.PlanSFTTrainer (re-plans on TRL's token counts)")
         x = item["input_ids"]
         y = item.get("labels") if item.get("labels") is not None else x
         rows_ids.append(np.asarray(x, dtype=np.int64).ravel().tolist())
@@ -121,6 +123,49 @@ def _token_table(dataset, ids: Sequence[str], positions: np.ndarray) -> pa.Table
     return pa.table({"example_id": pa.array([ids[p] for p in positions.tolist()], pa.string()),
                      "input_ids": pa.array(rows_ids, pa.list_(pa.int64())),
                      "labels": pa.array(rows_labels, pa.list_(pa.int64()))})
+
+
+def plan_args(args: TrainingArguments, plan: pd.DataFrame, micro_batch_size: int | None = None
+              ) -> tuple[TrainingArguments, bool]:
+    """A copy of ``args`` with what the plan fixes, after the checks every plan trainer makes.
+
+    Sets ``per_device_train_batch_size`` = B (``micro_batch_size`` when given: a plan about to be re-made),
+    ``gradient_accumulation_steps`` = G, ``max_steps`` = the plan's optimizer steps, ``num_train_epochs`` = 1.
+
+    Returns:
+        ``(args, packed)``: ``packed`` says the plan is packed (``allocation.packing``: micro-batches of unequal
+        row counts, B then the most rows of a pack).
+
+    Raises:
+        transformers without ``Trainer.loss_is_scaled_for_ga`` (RuntimeError); ValueError as :class:`PlanTrainer`.
+    """
+    if not hasattr(Trainer, "loss_is_scaled_for_ga"):
+        raise RuntimeError(
+            f"transformers {_transformers_version()} has no Trainer.loss_is_scaled_for_ga: its Trainer would "
+            f"divide the token-exact loss by gradient_accumulation_steps again; upgrade transformers"
+        )
+    args = copy.copy(args)
+    packed = is_packed_plan(plan)
+    shape = plan_shape(plan, packed=packed)
+    if shape.world_size != args.world_size:
+        raise ValueError(world_size_message(shape.world_size, args.world_size, "this Trainer",
+                                            use_cpu=bool(args.use_cpu)))
+    if args.auto_find_batch_size:
+        raise ValueError("auto_find_batch_size would change the planned micro-batch size; turn it off")
+    if args.n_gpu > 1:
+        raise ValueError("PlanTrainer needs one process per device (n_gpu > 1 means torch DataParallel)")
+    b = shape.micro_batch_size if micro_batch_size is None else int(micro_batch_size)
+    if args.deepspeed and (args.per_device_train_batch_size, args.gradient_accumulation_steps) != (b, shape.grad_accum):
+        raise ValueError(
+            f"with DeepSpeed set per_device_train_batch_size={b} and gradient_accumulation_steps={shape.grad_accum} "
+            f"(the plan's) in TrainingArguments: it fills DeepSpeed's config when it is created"
+        )
+    for name, value in (("per_device_train_batch_size", b), ("gradient_accumulation_steps", shape.grad_accum),
+                        ("max_steps", shape.steps), ("num_train_epochs", 1)):
+        if getattr(args, name) != value:
+            logger.info("PlanTrainer: %s=%s from the plan (was %s)", name, value, getattr(args, name))
+            setattr(args, name, value)
+    return args, packed
 
 
 class PlanTrainer(Trainer):
@@ -131,7 +176,10 @@ class PlanTrainer(Trainer):
     ``gradient_accumulation_steps`` = G (the plan's ``micro_index`` count), ``max_steps`` = the plan's optimizer
     steps and ``num_train_epochs`` = 1 (one Trainer epoch is the whole plan: every epoch of the plan in order).
     With a DeepSpeed config, ``TrainingArguments`` fills DeepSpeed's batch sizes when it is created, so there
-    B and G must already equal the plan's (a ``ValueError`` says so).
+    B and G must already equal the plan's (a ``ValueError`` says so). A packed plan (``allocation.packing``, the
+    default for ``strategy: cluster``; micro-batches of unequal row counts) is recognised: each micro-batch is then
+    one padding-free pack (:class:`~ray_cluster_ft.integrations.torch.TokenCollator` with ``packed=True``:
+    ``input_ids``, ``position_ids``, ``labels`` of shape ``(1, N)``) and the weights go onto each example's tokens.
 
     Args:
         model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs: as for ``Trainer``.
@@ -170,60 +218,41 @@ class PlanTrainer(Trainer):
                  eval_dataset=None, processing_class=None, *, plan: pd.DataFrame,
                  example_ids: Sequence[Any] | None = None, weights: pd.Series | None = None,
                  trained_log: str | Path | None = None, **kwargs):
-        if not hasattr(Trainer, "loss_is_scaled_for_ga"):
-            raise RuntimeError(
-                f"transformers {_transformers_version()} has no Trainer.loss_is_scaled_for_ga: its Trainer would "
-                f"divide the token-exact loss by gradient_accumulation_steps again; upgrade transformers"
-            )
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("PlanTrainer computes the token-exact loss itself; do not pass compute_loss_func")
         if train_dataset is None:
             raise ValueError("PlanTrainer needs the train_dataset the plan was made from")
-        args = copy.copy(args) if args is not None else TrainingArguments(output_dir="tmp_trainer")
-        shape = plan_shape(plan)
-        if shape.world_size != args.world_size:
-            raise ValueError(world_size_message(shape.world_size, args.world_size, "this Trainer",
-                                                use_cpu=bool(args.use_cpu)))
-        if args.auto_find_batch_size:
-            raise ValueError("auto_find_batch_size would change the planned micro-batch size; turn it off")
-        if args.n_gpu > 1:
-            raise ValueError("PlanTrainer needs one process per device (n_gpu > 1 means torch DataParallel)")
-        if args.deepspeed and (args.per_device_train_batch_size, args.gradient_accumulation_steps) != (
-            shape.micro_batch_size, shape.grad_accum
-        ):
-            raise ValueError(
-                f"with DeepSpeed set per_device_train_batch_size={shape.micro_batch_size} and "
-                f"gradient_accumulation_steps={shape.grad_accum} (the plan's) in TrainingArguments: it fills "
-                f"DeepSpeed's config when it is created"
-            )
-        for name, value in (("per_device_train_batch_size", shape.micro_batch_size),
-                            ("gradient_accumulation_steps", shape.grad_accum),
-                            ("max_steps", shape.steps), ("num_train_epochs", 1)):
-            if getattr(args, name) != value:
-                logger.info("PlanTrainer: %s=%s from the plan (was %s)", name, value, getattr(args, name))
-                setattr(args, name, value)
-
+        args, packed = plan_args(args if args is not None else TrainingArguments(output_dir="tmp_trainer"), plan)
         ids = [str(x) for x in example_ids] if example_ids is not None else _dataset_ids(train_dataset)
         if len(ids) != len(train_dataset):
             raise ValueError(f"{len(ids)} example_ids for a train_dataset of {len(train_dataset)} rows")
-        rank = args.process_index
-        self.plan_sampler = PlanBatchSampler(plan, ids, rank, shape.world_size)
         # D counts every rank's rows of a step: the token table covers the whole plan, not only this rank's.
         planned = np.sort(pd.Index(ids).get_indexer(pd.unique(plan["example_id"].astype(str).to_numpy())))
         table = _token_table(train_dataset, ids, planned)
-        self.plan_weights = plan_loss_weights(plan, table, rank, weights, shape.world_size)
-        self.trained_rows: list[dict] = []
-        self._plan_ids = ids
-        self._trained_log = None if trained_log is None else Path(str(trained_log).format(rank=rank))
-        self._next_micro = None
+        self._attach_plan(plan, ids, table, weights, trained_log, args.process_index, packed)
 
         if data_collator is None:
             pad = getattr(processing_class, "pad_token_id", None)
             if pad is None:
                 pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-            data_collator = TokenCollator(pad if pad is not None else 0)
+            data_collator = TokenCollator(pad if pad is not None else 0, packed=packed)
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
+        self._after_init()
+
+    def _attach_plan(self, plan: pd.DataFrame, ids: list[str], table: pa.Table, weights, trained_log, rank: int,
+                     packed: bool) -> None:
+        """This rank's sampler and per-micro-batch loss weights (``D`` from ``table``, every planned row)."""
+        world = plan_shape(plan, packed=packed).world_size
+        self.plan = plan
+        self.plan_sampler = PlanBatchSampler(plan, ids, rank, world, packed=packed)
+        self.plan_weights = plan_loss_weights(plan, table, rank, weights, world, packed=packed)
+        self.trained_rows: list[dict] = []
+        self._plan_ids = ids
+        self._trained_log = None if trained_log is None else Path(str(trained_log).format(rank=rank))
+        self._next_micro = None
+
+    def _after_init(self) -> None:
         forward = self.accelerator.unwrap_model(self.model).forward
         self._pass_use_cache = "use_cache" in inspect.signature(forward).parameters
 
@@ -289,19 +318,15 @@ class PlanTrainer(Trainer):
         inputs.pop("example_id", None)  # kept by the collator when remove_unused_columns=False
         j = self._planned(positions)
         mw = self.plan_weights[j]
-        got = (labels[:, 1:] != -100).sum(dim=1).cpu().numpy()
-        if not np.array_equal(got, mw.label_tokens):
-            raise RuntimeError(
-                f"rank {self.plan_sampler.rank}: the collated labels hold {got.tolist()} label tokens per row, the "
-                f"dataset's labels {mw.label_tokens.tolist()}; the collator must keep the labels (the step's "
-                f"token denominator counts them)"
-            )
         if self._pass_use_cache:
             inputs["use_cache"] = False
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        weight = torch.as_tensor(mw.weight, dtype=torch.float32, device=logits.device)
-        loss = token_exact_loss(logits, labels, weight) * mw.loss_scale(self.args.world_size)
+        try:  # checks the labels hold the planned label tokens (D counts them); spreads weights over a pack
+            loss = micro_batch_loss(logits, labels, mw, self.args.world_size)
+        except ValueError as err:
+            raise RuntimeError(f"rank {self.plan_sampler.rank}: {err} (the collator must keep the dataset's "
+                               f"labels: the step's token denominator counts them)") from None
         self._record(mw, positions)
         return (loss, outputs) if return_outputs else loss
 

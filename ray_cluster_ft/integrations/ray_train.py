@@ -21,13 +21,14 @@ import pyarrow as pa
 
 from ..pipeline.session import ensure_ray
 from ..train import build_rank_tables
-from .torch import plan_shape
+from .torch import is_packed_plan, plan_shape
 
 __all__ = ["plan_data_config", "plan_datasets", "rank_shard"]
 
 
 def plan_datasets(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_size: int,
-                  weights: pd.Series | None = None, *, name: str = "train", address: str | None = None) -> dict:
+                  weights: pd.Series | None = None, *, name: str = "train", address: str | None = None,
+                  packed: bool | None = None) -> dict:
     """One Ray dataset per rank, for ``TorchTrainer(datasets=...)``.
 
     Args:
@@ -39,6 +40,9 @@ def plan_datasets(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_s
         name: dataset name prefix; the keys are ``f"{name}_rank{r}"``.
         address: the Ray cluster to join when this process has no Ray yet (``auto``, ``host:port``,
             ``ray://...``), as the command line's ``--address``; default ``$RAY_ADDRESS``, else a new local Ray.
+        packed: a packed plan (``allocation.packing``); ``None`` reads it off the plan
+            (:func:`~ray_cluster_ft.integrations.torch.is_packed_plan`). A pack's rows are consecutive rows of one
+            ``(epoch, step, micro_index)``; group them by those columns instead of cutting batches of B rows.
 
     Returns:
         ``{f"{name}_rank{r}": ray.data.Dataset}`` for r in ``0..world_size-1``; rows in rank r's plan order with
@@ -57,7 +61,7 @@ def plan_datasets(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, world_s
     """
     import ray.data
 
-    shape = plan_shape(plan, world_size)
+    shape = plan_shape(plan, world_size, is_packed_plan(plan) if packed is None else packed)
     tables = build_rank_tables(plan, examples, shape.world_size, weights)
     ensure_ray(address)
     out = {}

@@ -56,9 +56,11 @@ __all__ = [
     "PlanBatchSampler",
     "PlanShape",
     "TokenCollator",
+    "is_packed_plan",
     "micro_batch_loss",
     "plan_loss_weights",
     "plan_shape",
+    "replan",
 ]
 
 _NEEDED = ("epoch", "step", "rank", "micro_index", "example_id")
@@ -120,6 +122,70 @@ def plan_shape(plan: pd.DataFrame, world_size: int | None = None, packed: bool =
     steps = check_plan(plan.drop_duplicates(["rank", "epoch", "step", "micro_index"]), w, 1, g) if packed else \
         check_plan(plan, w, b, g)
     return PlanShape(world_size=w, micro_batch_size=b, grad_accum=g, steps=steps)
+
+
+def is_packed_plan(plan: pd.DataFrame) -> bool:
+    """Whether ``plan`` is packed (``allocation.packing``, the default of ``strategy: cluster``): its micro-batches
+    do not all hold the same number of rows. Pass the answer as ``packed=`` to :class:`PlanBatchSampler`,
+    :class:`TokenCollator` and :func:`plan_loss_weights`."""
+    if not isinstance(plan, pd.DataFrame) or any(c not in plan.columns for c in ("rank", "step", "micro_index")):
+        return False
+    return plan.groupby(["rank", "epoch", "step", "micro_index"] if "epoch" in plan.columns else
+                        ["rank", "step", "micro_index"], sort=False).size().nunique() > 1
+
+
+def replan(plan: pd.DataFrame, example_ids: Sequence[Any], n_tokens: Sequence[int],
+           micro_batch_size: int | None = None, allocation=None) -> pd.DataFrame:
+    """The plan made again for the token counts your trainer really trains (another chat template, an EOS
+    appended, truncation), so the balanced lengths are the trained ones: the same rows, clusters, world size,
+    ``grad_accum`` and epochs, an unpacked plan (:func:`ray_cluster_ft.allocate.make_plan`).
+
+    Args:
+        plan: the plan to re-make (``plan.parquet``, with its ``cluster`` column), packed or not.
+        example_ids: the ids of your tokenized rows; ``n_tokens``: int, their token counts (same length).
+        micro_batch_size: rows per micro-batch B; default the plan's (required for a packed plan, whose packs
+            hold any number of rows).
+        allocation: :class:`ray_cluster_ft.config.AllocationConfig` (or a dict of its keys, e.g. the run's
+            ``config.yaml`` ``allocation`` section): ``strategy``, ``seed``, ``pad_tolerance``; default the
+            package's defaults. ``packing`` is not used (the new plan is unpacked).
+
+    Returns:
+        The new plan (:data:`ray_cluster_ft.allocate.PLAN_COLUMNS`; ``n_tokens`` the counts given). Rows the
+        allocator drops to keep every rank's micro-batch count equal are logged (none when the row count is that
+        of a whole-step plan, as a run's plan is).
+
+    Raises:
+        ValueError: a plan without ``cluster``, planned ids missing from ``example_ids`` (named: rows your
+            trainer's processing dropped), a packed plan without ``micro_batch_size``, and what ``make_plan``
+            rejects.
+    """
+    import logging
+
+    from ..allocate import make_plan
+    from ..config import AllocationConfig
+
+    packed = is_packed_plan(plan)
+    shape = plan_shape(plan, packed=packed)
+    if "cluster" not in plan.columns:
+        raise ValueError("replan needs the plan's cluster column (plan.parquet has it)")
+    if packed and micro_batch_size is None:
+        raise ValueError("a packed plan has no micro-batch size: pass micro_batch_size (rows per micro-batch)")
+    a = allocation if isinstance(allocation, AllocationConfig) else AllocationConfig(**dict(allocation or {}))
+    first = plan.drop_duplicates("example_id")
+    lengths = pd.Series(np.asarray(n_tokens, dtype=np.int64), index=[str(x) for x in example_ids])
+    ids = first["example_id"].astype(str).to_numpy()
+    missing = ids[~np.isin(ids, lengths.index)]
+    if missing.size:
+        raise ValueError(f"{missing.size} of the plan's {ids.size} rows are not among the tokenized rows, e.g. "
+                         f"{missing[:5].tolist()}: your trainer's processing dropped them (a max_length that "
+                         f"leaves no label token?); raise the limit or re-select")
+    res = make_plan(ids, first["cluster"].to_numpy(np.int64), lengths.loc[ids].to_numpy(), shape.world_size,
+                    int(micro_batch_size or shape.micro_batch_size), shape.grad_accum,
+                    int(plan["epoch"].nunique()), strategy=a.strategy, seed=a.seed, pad_tolerance=a.pad_tolerance)
+    if len(res.dropped):
+        logging.getLogger(__name__).warning("replan: %d of %d rows dropped to give every rank the same "
+                                            "micro-batch count", len(res.dropped), ids.size)
+    return res.plan
 
 
 def _check_rank(rank: int, shape: PlanShape) -> int:

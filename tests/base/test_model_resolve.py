@@ -21,17 +21,37 @@ from ray_cluster_ft.model import (
 )
 
 
-def test_model_cache_dir_lies_beside_output_dir(tmp_path, monkeypatch):
+def test_model_cache_dir_has_one_default_for_the_library_and_the_command_line(tmp_path, monkeypatch):
+    from ray_cluster_ft.api import _model_cache
+
     monkeypatch.chdir(tmp_path)
-    assert model_cache_dir(None, "runs/a") == tmp_path / "runs" / ".model-cache"
-    assert model_cache_dir("shared-cache", "runs/a") == tmp_path / "runs" / "shared-cache"  # relative: same base
+    monkeypatch.setenv("RAY_CLUSTER_FT_CACHE", str(tmp_path / "machine"))
+    default = tmp_path / "machine" / "models"
+    assert model_cache_dir(None, "runs/a") == model_cache_dir(None) == default
+    # the library's compute_features resolves model.cache_dir with the same function
+    assert _model_cache(None) == _model_cache(parse_config({})) == default
+    assert _model_cache(parse_config({"model": {"cache_dir": "c"}, "output": {"dir": "runs/a"}})) == \
+        tmp_path / "runs" / "c"
+    assert model_cache_dir("shared-cache", "runs/a") == tmp_path / "runs" / "shared-cache"  # beside output.dir
+    assert model_cache_dir("shared-cache") == tmp_path / "shared-cache"  # no run directory: the working directory
     assert model_cache_dir(str(tmp_path / "elsewhere"), "runs/a") == tmp_path / "elsewhere"
+    monkeypatch.delenv("RAY_CLUSTER_FT_CACHE")
+    assert model_cache_dir(None) == Path.home() / ".cache" / "ray-cluster-ft" / "models"
 
 
-def test_demo_is_resolved_once_into_the_cache_beside_output_dir(tmp_path, monkeypatch):
+def test_demo_is_resolved_into_the_default_cache_the_library_uses(tmp_path, monkeypatch):
+    home = convert_demo_model()  # this machine's default cache, as the test session already has it
+    assert home == model_cache_dir(None) / home.name
+    monkeypatch.chdir(tmp_path)
+    new, resolved = resolve_models(parse_config({"output": {"dir": "runs/r1"}}))
+    assert resolved == {"model.path": str(home), "sketch.model": None, "model.cache_dir": str(home.parent)}
+    assert not (tmp_path / "runs" / ".model-cache").exists()
+
+
+def test_demo_is_resolved_once_into_a_cache_beside_output_dir(tmp_path, monkeypatch):
     home = convert_demo_model()  # this machine's cache, as the test session already has it
     monkeypatch.chdir(tmp_path)
-    cfg = parse_config({"output": {"dir": "runs/r1"}})
+    cfg = parse_config({"output": {"dir": "runs/r1"}, "model": {"cache_dir": ".model-cache"}})
     new, resolved = resolve_models(cfg)
     want = tmp_path / "runs" / ".model-cache" / home.name
     assert resolved == {"model.path": str(want), "sketch.model": None, "model.cache_dir": str(want.parent)}
@@ -41,7 +61,7 @@ def test_demo_is_resolved_once_into_the_cache_beside_output_dir(tmp_path, monkey
     for f in ("model.safetensors", "tokenizer.json"):
         assert (want / f).read_bytes() == (home / f).read_bytes()
     # a second run beside it reuses the folder: same path, same files
-    again, _ = resolve_models(parse_config({"output": {"dir": "runs/r2"}}))
+    again, _ = resolve_models(parse_config({"output": {"dir": "runs/r2"}, "model": {"cache_dir": ".model-cache"}}))
     assert again.model.path == str(want)
 
 
@@ -138,7 +158,8 @@ def test_the_sketch_inputs_name_the_resolved_folder(tmp_path, monkeypatch):
     from ray_cluster_ft.model import load_tokenizer
 
     monkeypatch.chdir(tmp_path)
-    cfg, resolved = resolve_models(parse_config({"output": {"dir": "run"}, "data": {"max_seq_len": 128}}))
+    cfg, resolved = resolve_models(parse_config({"output": {"dir": "run"}, "data": {"max_seq_len": 128},
+                                                 "model": {"cache_dir": ".model-cache"}}))
     tok = load_tokenizer(cfg.model.path)
     train = load_examples(cfg.data, tok).train
     sk = prepare_sketch_inputs(train, cfg, tok)

@@ -142,7 +142,8 @@ def test_pipeline_with_the_demo_model_runs_on_a_node_without_the_drivers_cache(t
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
     spec = {
         "data": {"source": "files", "paths": [str(data)], "max_seq_len": 96, "eval_fraction": 0.15, "max_eval": 2},
-        "model": {"path": "demo"},
+        # the default cache is this machine's ~/.cache: on several nodes it must lie beside output.dir (shared)
+        "model": {"path": "demo", "cache_dir": ".model-cache"},
         # in_process_rows 0: these few rows would otherwise be sketched in the driver, on the head.
         "sketch": {"method": "last_layer", "batch_size": 8, "num_actors": 1, "in_process_rows": 0},
         "clustering": {"k": 2},

@@ -15,7 +15,7 @@ from ray_cluster_ft.allocate import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 README_PATHS = (ROOT / "docs" / "library.md",)  # the trainer examples live there, not in README.md
-PATHS_LINE = 'run_dir, model_path = "runs/demo", "HuggingFaceTB/SmolLM2-135M-Instruct"'
+PATHS_LINE = 'run_dir, model_path = "runs/sel", resolve_model_path("demo")'
 
 
 def make_run(run_dir: Path, n: int = 32, world: int = 2, mbs: int = 2, ga: int = 2, epochs: int = 2,
