@@ -14,6 +14,8 @@ import numpy as np
 import pandas as pd
 
 from .. import allocate, cluster, data, evaluate, features, select, train
+from ..cluster import stream as cluster_stream
+from ..select import stream as select_stream
 from ..config import ConfigError, JobConfig, check_against_data, needs_clusters
 from ..features.feature_store import check_store
 from ..features.inputs import prepare_sketch_inputs
@@ -83,12 +85,20 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
             feats = _features(cfg, run_dir, ds, timer)
             sketches = feats.sketches
             with timer.stage("cluster"):
-                clusters = cluster.run(cfg, run_dir, example_ids=ids, sketches=sketches, resume=resume,
-                                       features=feats.summary, n_tokens=n_tokens)
+                if feats.shards is not None:  # above sketch.stream_rows: the features stay in their shards
+                    clusters = cluster_stream.run_streamed(cfg, run_dir, shards=feats.shards, resume=resume,
+                                                           example_ids=cand.column("example_id").combine_chunks(),
+                                                           features=feats.summary)
+                else:
+                    clusters = cluster.run(cfg, run_dir, example_ids=ids, sketches=sketches, resume=resume,
+                                           features=feats.summary, n_tokens=n_tokens)
             labels, dist = clusters.labels, clusters.dist
         with timer.stage("select"):
-            sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist,
-                             n_tokens=n_tokens)
+            if feats is not None and feats.shards is not None:
+                sel, _ = select_stream.select_streamed(cfg, feats.shards, labels, dist, n_tokens=n_tokens)
+            else:
+                sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist,
+                                 n_tokens=n_tokens)
         with timer.stage("allocate"):
             alloc = allocate.run(cfg, run_dir, example_ids=ids,
                                  labels=labels if clustered else np.zeros(len(ids), dtype=np.int64),
