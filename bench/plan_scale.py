@@ -199,7 +199,7 @@ def run_streamed(n: int, seed: int = 0, cpus: int = 2) -> dict:
                             "selection": {"budget": BUDGET_FRACTION, "within": "kcenter", "seed": seed},
                             "clustering": {"seed": seed}, "allocation": {"packing": False, "seed": seed},
                             "sketch": {"stream_rows": 1}})
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         mon = _WorkerRss()
         t = {}
         try:
