@@ -3,7 +3,7 @@ feature shards, a few clusters at a time, so the driver never holds the features
 
 Quotas come from the cluster sizes (or token totals) alone, exactly as :func:`~ray_cluster_ft.select.quotas.select`
 computes them. The clusters with a quota are cut, in ascending order, into waves whose rows' features fit
-``wave_bytes``; one Ray task a wave reads every shard, keeps its clusters' rows (in candidate order) and calls
+``wave_bytes`` (and at least two waves per CPU of the Ray cluster); one Ray task a wave reads every shard, keeps its clusters' rows (in candidate order) and calls
 :func:`~ray_cluster_ft.select.quotas.select_cluster` on each cluster, as the in-memory selection does. Strategies
 and within-cluster orders that read no feature (``random``, ``full``, ``peripheral``, ``central``, ``random``
 inside clusters) need no task: the in-memory selection runs on the labels and distances alone.
@@ -33,14 +33,12 @@ def wave_task(files, offsets, clusters, quotas, labels, dist, n_tokens, params: 
 
     want = np.zeros(int(labels.max()) + 1, dtype=bool)
     want[np.asarray(clusters)] = True
-    pos, xs = [], []
+    pos = np.flatnonzero(want[labels])  # the wave's rows, ascending: filled shard by shard into one array
+    x = np.empty((pos.size, int(params["dim"])), dtype=np.float32)
     for f, lo, hi in zip(files, offsets[:-1], offsets[1:]):
-        mine = np.flatnonzero(want[labels[lo:hi]])
-        if mine.size:
-            xs.append(read_shard(f)["sketch"][mine])
-            pos.append(mine + lo)
-    pos = np.concatenate(pos)
-    x = np.concatenate(xs)
+        a, b = np.searchsorted(pos, [lo, hi])
+        if b > a:
+            x[a:b] = read_shard(f)["sketch"][pos[a:b] - lo]
     lab = labels[pos]
     out = {"chosen": [], "reasons": []}
     limit = 1 if params["within"] == "kcenter" else None  # as the in-memory selection: k-center on one thread
@@ -79,9 +77,12 @@ def _quotas(cfg, labels: np.ndarray, n_tokens) -> tuple[np.ndarray, int, int | N
     return water_fill_quotas(sizes, want), want, None, None
 
 
-def _waves(quotas: np.ndarray, sizes: np.ndarray, dim: int, wave_bytes: int) -> list[np.ndarray]:
+def _waves(quotas: np.ndarray, sizes: np.ndarray, dim: int, wave_bytes: int, min_waves: int = 1) -> list[np.ndarray]:
     """The clusters with a quota, in ascending order, cut into consecutive waves of at most ``wave_bytes`` float32
-    feature bytes (a cluster larger than that is a wave alone)."""
+    feature bytes (a cluster larger than that is a wave alone), and into at least ``min_waves`` waves where there
+    are that many clusters (so every CPU gets a task)."""
+    total = int(sizes[quotas > 0].sum()) * dim * 4
+    wave_bytes = max(1, min(wave_bytes, -(-total // max(1, min_waves))))
     waves, cur, held = [], [], 0
     for c in np.flatnonzero(quotas):
         b = int(sizes[c]) * dim * 4
@@ -129,8 +130,9 @@ def select_streamed(cfg, shards, labels: np.ndarray, dist: np.ndarray, n_tokens=
     sizes = np.bincount(lab, minlength=quotas.size)
     refs = [ray.put(a) for a in (lab, np.asarray(dist, np.float32), nt)]
     task = ray.remote(num_cpus=1)(wave_task)
-    params = {"within": s.within, "dedup_threshold": s.dedup_threshold, "seed": s.seed}
-    waves = _waves(quotas, sizes, shards.dim, wave_bytes)
+    params = {"within": s.within, "dedup_threshold": s.dedup_threshold, "seed": s.seed, "dim": shards.dim}
+    # Two waves per CPU: the CPUs share the work, and a slow wave is not left alone at the end.
+    waves = _waves(quotas, sizes, shards.dim, wave_bytes, 2 * int(ray.cluster_resources().get("CPU", 1)))
     outs = ray.get([task.remote(list(shards.files), shards.offsets, w, quotas[w], *refs, params) for w in waves])
     nodes: dict = {}
     chosen, why = [], []
