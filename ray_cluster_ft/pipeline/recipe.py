@@ -73,7 +73,9 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     check_module_patterns(cfg, ds.model_path, clustered)
 
     feats = clusters = trained = before = after = epochs = None
-    needs_ray = not plan_only or (clustered and not _features_in_driver(cfg, cand.num_rows))
+    streamed = clustered and features.stream_features(cfg.sketch, cand.num_rows) \
+        and features.streaming_unsupported(cfg) is None  # the streamed stages run their passes on Ray
+    needs_ray = not plan_only or streamed or (clustered and not _features_in_driver(cfg, cand.num_rows))
     with _session(needs_ray, address, cfg.train.use_gpu) as started_ray:
         # A plan for any world size may be made on a laptop: only training needs the workers' resources.
         if started_ray and not plan_only and not (address or os.environ.get("RAY_ADDRESS")):
