@@ -249,6 +249,16 @@ class SketchConfig(Section):
                                "them in the driver process (one sketcher, the model loaded once) instead of starting "
                                "a Ray Data actor pool, and a plan-only run (select, run --plan-only, features) of "
                                "that size starts no Ray at all; 0 = always the pool")
+    stream_rows: int | None = Field(
+        1_000_000, ge=1, description="above this many candidates the features stay in their shards and are never "
+                                     "gathered into one array on the driver: clustering (assignment, distances, "
+                                     "per-cluster sums), the within-cluster choice and the plan stream over the "
+                                     "shards through Ray (docs/operations.md, 'Large pools'); null = always in memory")
+    shard_dtype: Literal["auto", "float16", "float32"] = Field(
+        "auto", description="the float type of the feature shards on disk (recorded in each shard's Arrow type): "
+                            "``auto`` = float16 above stream_rows (half the disk and reads; a cosine moves by "
+                            "about 1e-3), float32 at or below it, so small runs keep their exact features; "
+                            "compute stays float32 either way")
     store: str | None = Field(
         None, min_length=1, description="content-addressed feature store shared by jobs (a local path, s3://, gs://: "
                                         "any pyarrow filesystem): rows whose features it holds for these settings, "

@@ -27,7 +27,7 @@ TOP = 10  # ray_cluster_ft/__init__.py re-exports the public API of every layer
 
 # Pure algorithms: numbers in, numbers out. The stage.py beside them does the files.
 ALGORITHMS = [
-    "cluster/kmeans.py", "cluster/capped.py", "cluster/cluster_map.py", "cluster/_vectors.py",
+    "cluster/kmeans.py", "cluster/passes.py", "cluster/capped.py", "cluster/cluster_map.py", "cluster/_vectors.py",
     "select/quotas.py", "select/within.py", "select/_checks.py",
     "allocate/plan.py", "allocate/_packs.py", "allocate/_slots.py", "allocate/_light.py",
     "features/projection.py", "features/_sketch_ops.py",

@@ -88,27 +88,48 @@ def _centre_distances(x: np.ndarray, centroids: np.ndarray, metric: str) -> np.n
     return x2 + c2 - 2.0 * dots
 
 
+def _cluster_sums(xn: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cluster sums of the rows, float64 (k, d), and sizes, int64 (k,), in chunks of ``_CHUNK_ROWS`` rows.
+
+    Summed in float64 so that sums of the same rows in other groupings (one array here, shard by shard in the
+    streamed clustering, :mod:`ray_cluster_ft.cluster.passes`) round to the same float32 centroids."""
+    sums = np.zeros((k, xn.shape[1]), dtype=np.float64)
+    lab = np.asarray(labels)
+    for lo in range(0, xn.shape[0], _CHUNK_ROWS):
+        part = lab[lo:lo + _CHUNK_ROWS]
+        m = part.size
+        onehot = sp.csr_matrix((np.ones(m, dtype=np.float64), (part, np.arange(m))), shape=(k, m))
+        sums += onehot @ xn[lo:lo + _CHUNK_ROWS].astype(np.float64)
+    return sums, np.bincount(lab, minlength=k).astype(np.int64)
+
+
+def _centroids_from_sums(sums: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unit mean directions float32 (k, d) from float64 cluster sums; an empty cluster gets a zero row.
+
+    Returns ``(centroids, degenerate)``: ``degenerate`` bool (k,) marks non-empty clusters whose sum is zero (a
+    cluster of antipodal points), whose row the caller fills with its first member's direction."""
+    norms = np.linalg.norm(sums, axis=1)
+    degenerate = (sizes > 0) & (norms <= 1e-12)
+    safe = np.where(norms > 1e-12, norms, 1.0)
+    return (sums / safe[:, None]).astype(np.float32), degenerate
+
+
 def _centroids_of(xn: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Unit-norm mean direction of each cluster and the cluster sizes.
+    """Unit-norm mean direction of each cluster and the cluster sizes (:func:`_cluster_sums`,
+    :func:`_centroids_from_sums`).
 
     Returns (centroids float32 (k, d), sizes int64 (k,)); an empty cluster gets a zero row.
     """
-    n = xn.shape[0]
-    onehot = sp.csr_matrix((np.ones(n, dtype=np.float32), (labels, np.arange(n))), shape=(k, n))
-    sums = np.asarray(onehot @ xn, dtype=np.float32)
-    sizes = np.bincount(labels, minlength=k).astype(np.int64)
-    norms = np.linalg.norm(sums, axis=1)
+    sums, sizes = _cluster_sums(xn, labels, k)
+    centroids, degenerate = _centroids_from_sums(sums, sizes)
     # A cluster of antipodal points has a zero mean: fall back to its first member's direction.
-    degenerate = (sizes > 0) & (norms <= 1e-12)
     if degenerate.any():
         first = np.full(k, -1, dtype=np.int64)
         order = np.argsort(labels, kind="stable")
         starts = np.searchsorted(labels[order], np.arange(k))
         first[degenerate] = order[starts[degenerate]]
-        sums[degenerate] = xn[first[degenerate]]
-        norms[degenerate] = 1.0
-    safe = np.where(norms > 0, norms, 1.0)
-    return (sums / safe[:, None]).astype(np.float32), sizes
+        centroids[degenerate] = xn[first[degenerate]]
+    return centroids, sizes
 
 
 def _own_distance(xn: np.ndarray, labels: np.ndarray, centroids: np.ndarray) -> np.ndarray:
@@ -144,3 +165,18 @@ def nearest_distances(x: np.ndarray, centroids: np.ndarray, metric: str) -> tupl
     return labels, np.clip(dist, 0.0, hi)
 
 
+def _nearest_centroid(xn: np.ndarray, centroids: np.ndarray, with_cos: bool = False):
+    """Index of the most cosine-similar centroid for each unit row (chunked), int64 (N,).
+
+    With ``with_cos``, returns ``(index, cosine to that centroid float32 (N,))``. Chunks of
+    ``_CHUNK_ROWS`` rows bound the (rows x k) score temporary (64 MiB at k = 256)."""
+    out = np.empty(xn.shape[0], dtype=np.int64)
+    cos = np.empty(xn.shape[0], dtype=np.float32) if with_cos else None
+    cent_t = np.ascontiguousarray(centroids.T, dtype=np.float32)
+    for lo in range(0, xn.shape[0], _CHUNK_ROWS):
+        hi = min(lo + _CHUNK_ROWS, xn.shape[0])
+        scores = xn[lo:hi] @ cent_t
+        out[lo:hi] = np.argmax(scores, axis=1)
+        if with_cos:
+            cos[lo:hi] = scores[np.arange(hi - lo), out[lo:hi]]
+    return (out, cos) if with_cos else out

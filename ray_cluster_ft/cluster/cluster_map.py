@@ -86,7 +86,7 @@ def _rows_for(x, algorithm: str) -> np.ndarray:
     return _normalise_rows(arr) if algorithm == "spherical" else arr
 
 
-def map_metadata(x, centroids: np.ndarray, algorithm: str, features: dict | None = None) -> dict:
+def map_metadata(x, centroids: np.ndarray, algorithm: str, features: dict | None = None, near=None) -> dict:
     """What a saved map records about itself (the metadata of ``centroids.parquet``).
 
     Args:
@@ -95,19 +95,21 @@ def map_metadata(x, centroids: np.ndarray, algorithm: str, features: dict | None
         algorithm: ``spherical`` or ``kmeans``.
         features: the feature stage's ``feature_key``, ``feature_key_of`` and ``normalisation`` (its summary),
             or ``None``.
+        near: float32 ``(N,)`` each row's distance to its nearest centroid when the caller has it (the streamed
+            clustering, whose features are not in memory); ``x`` is then unused (may be None).
 
     Returns:
         ``{"format", "algorithm", "metric", "k", "dim", "rows", "p95_distance", "features"}``: ``p95_distance`` the
         95th percentile of the rows' distance to their nearest centroid in the map's metric.
     """
     cent = np.ascontiguousarray(centroids, dtype=np.float32)
-    xs = _rows_for(x, algorithm)
     metric = "cosine" if algorithm == "spherical" else "sqeuclidean"
-    _, near = nearest_distances(xs, cent, metric)
+    if near is None:
+        _, near = nearest_distances(_rows_for(x, algorithm), cent, metric)
     f = features or {}
     of = f.get("feature_key_of") or {}
     return {"format": MAP_FORMAT, "algorithm": algorithm, "metric": metric, "k": int(cent.shape[0]),
-            "dim": int(cent.shape[1]), "rows": int(xs.shape[0]), "p95_distance": float(np.percentile(near, 95)),
+            "dim": int(cent.shape[1]), "rows": int(len(near)), "p95_distance": float(np.percentile(near, 95)),
             "features": {"key": f.get("feature_key"), "settings": of.get("settings"), "model": of.get("model"),
                          "gpu": of.get("gpu"), "normalisation": f.get("normalisation")}}
 

@@ -31,6 +31,7 @@ from ._vectors import (
     _as_matrix,
     _centroids_of,
     _check_k,
+    _nearest_centroid,
     _normalise_rows,
     _own_distance,
     _sq_distance,
@@ -39,11 +40,15 @@ from ._vectors import (
 from .capped import capped_labels, euclidean_kmeans
 
 __all__ = [
+    "FIT_ROWS",
     "MINIBATCH_THRESHOLD",
     "ClusterResult",
     "auto_k",
     "cluster_sketches",
+    "fit_sample_rows",
     "merge_small_clusters",
+    "resolve_k",
+    "sampled_centres",
     "refit_kmeans",
     "spherical_kmeans",
 ]
@@ -63,7 +68,7 @@ _RESTART_ROWS = 10_000
 _INIT_ROWS = 16_384  # rows sampled for the k-means++ initialisation
 
 
-_FIT_ROWS = 200_000
+FIT_ROWS = 200_000
 """Above :data:`MINIBATCH_THRESHOLD`, ``MiniBatchKMeans`` is fitted on a seeded sample of at most this many rows
 and every row is then assigned to its most cosine-similar centroid (one chunked matrix product). With about 100
 clusters a 200k sample holds about 2,000 rows per cluster, far more than the centroid estimate needs, and the
@@ -130,12 +135,42 @@ def auto_k(n: int, world_size: int) -> int:
     return int(min(int(n), max(2 * int(world_size), k)))
 
 
-def spherical_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def fit_sample_rows(n: int, k: int, seed: int, fit_rows: int = FIT_ROWS,
+                    minibatch_rows: int = MINIBATCH_THRESHOLD) -> tuple[np.ndarray, np.ndarray | None]:
+    """The seeded rows :func:`spherical_kmeans` fits on: ``(init, fit)``, int64 ascending positions in 0..n-1:
+    ``init`` the k-means++ sample (at most max(16,384, 4k) rows), ``fit`` the mini-batch sample of ``fit_rows``
+    rows when ``n`` is above both ``minibatch_rows`` and ``fit_rows``, else None (every row is fitted). The
+    streamed clustering gathers exactly these rows from the shards."""
+    rng = np.random.default_rng(seed)
+    init = np.sort(rng.choice(n, size=min(n, max(_INIT_ROWS, 4 * k)), replace=False))
+    fit = None
+    if n > minibatch_rows and n > fit_rows:
+        fit = np.sort(np.random.default_rng([seed, 1]).choice(n, size=fit_rows, replace=False))
+    return init, fit
+
+
+def sampled_centres(x_init: np.ndarray, x_fit: np.ndarray, k: int, seed: int) -> np.ndarray:
+    """The centres of :func:`spherical_kmeans` above its mini-batch threshold, from its samples alone: k-means++
+    on the unit rows ``x_init`` (seed ``seed``, one BLAS thread), then ``MiniBatchKMeans`` (batch 4096, stop
+    after 10 batches without improvement) on the unit rows ``x_fit``; returned renormalised, float32 (k, d)."""
+    from sklearn.cluster import MiniBatchKMeans, kmeans_plusplus
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        init, _ = kmeans_plusplus(np.asarray(x_init, dtype=np.float64), k, random_state=seed)
+    fit = MiniBatchKMeans(n_clusters=k, init=init.astype(np.float32), n_init=1, batch_size=4096,
+                          max_no_improvement=10, random_state=seed, compute_labels=False).fit(x_fit)
+    centres = np.asarray(fit.cluster_centers_, dtype=np.float32)
+    return centres / np.maximum(np.linalg.norm(centres, axis=1, keepdims=True), 1e-12)
+
+
+def spherical_kmeans(x, k: int, seed: int = 0, fit_rows: int = FIT_ROWS,
+                     minibatch_rows: int = MINIBATCH_THRESHOLD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Spherical k-means: k-means on L2-normalised rows, centroids renormalised to unit length.
 
     Uses scikit-learn ``KMeans`` (k-means++ init, Lloyd) up to :data:`MINIBATCH_THRESHOLD` rows and
     ``MiniBatchKMeans`` (batch 4096, stop after 10 batches without improvement) above it, fitted on a seeded
-    sample of at most :data:`_FIT_ROWS` rows, after which every row is assigned to its nearest centroid by
+    sample of at most :data:`FIT_ROWS` rows, after which every row is assigned to its nearest centroid by
     cosine (chunked ``argmax(x @ centroids.T)``: O(N k d), seconds at 10^6 rows). k-means++
     (Arthur & Vassilvitskii 2007) seeds on a sample of at most 16k rows; 3 restarts (lowest inertia kept) up
     to 10^4 rows, 1 above. The returned centroids are the renormalised means of each cluster's unit rows
@@ -146,6 +181,8 @@ def spherical_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
         x: (N, d) real array (cast to float32); rows need not be normalised but must be non-zero and finite.
         k: clusters, 1 <= k <= N.
         seed: random state for the initialisation.
+        fit_rows, minibatch_rows: the sample size and the mini-batch threshold (:func:`fit_sample_rows`;
+            tests lower them to compare with the streamed clustering on small data).
 
     Returns:
         labels int32 (N,) in 0..k-1; dist float32 (N,) = 1 - cosine to the own centroid; centroids float32
@@ -167,13 +204,16 @@ def spherical_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
     # k-means++ seeds come from a float64 sample: sklearn's own initialisation on float32 rows goes through a
     # slow chunked upcast (about a minute at 5 x 10^4 rows, far more than the Lloyd iterations after it).
     # Restarts are cheap up to 10^4 rows and buy stability there; above, one start is as good in practice.
-    rng = np.random.default_rng(seed)
-    sample = np.sort(rng.choice(n, size=min(n, max(_INIT_ROWS, 4 * k)), replace=False))
+    sample, sampled = fit_sample_rows(n, k, seed, fit_rows, minibatch_rows)
     x_init = xn[sample].astype(np.float64)
     n_init = 3 if n <= _RESTART_ROWS else 1
-    fit_rows = None
-    if n > MINIBATCH_THRESHOLD and n > _FIT_ROWS:
-        fit_rows = np.sort(np.random.default_rng([seed, 1]).choice(n, size=_FIT_ROWS, replace=False))
+    if sampled is not None and n_init == 1:
+        # The streamed clustering's fit (ray_cluster_ft.cluster.stream): the same samples, the same centres.
+        centres = sampled_centres(x_init, xn[sampled], k, seed)
+        labels = _nearest_centroid(xn, centres).astype(np.int32)
+        centroids, sizes = _centroids_of(xn, labels, k)
+        centroids[sizes == 0] = centres[sizes == 0]
+        return labels, _own_distance(xn, labels, centroids), centroids
     model, labels, best = None, None, np.inf
     with warnings.catch_warnings():
         # Fewer distinct points than k: sklearn warns and leaves clusters empty; merge_small_clusters handles it.
@@ -184,11 +224,11 @@ def spherical_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
             with threadpool_limits(limits=1, user_api="blas"):
                 init, _ = kmeans_plusplus(x_init, k, random_state=seed + restart)
             init = init.astype(np.float32)
-            if n > MINIBATCH_THRESHOLD:
+            if n > minibatch_rows:
                 fit = MiniBatchKMeans(
                     n_clusters=k, init=init, n_init=1, batch_size=4096, max_no_improvement=10,
                     random_state=seed, compute_labels=False,
-                ).fit(xn[fit_rows] if fit_rows is not None else xn)
+                ).fit(xn[sampled] if sampled is not None else xn)
                 # Every row goes to its most cosine-similar centre; a start is scored by the spherical
                 # objective sum(1 - max cos) over all rows (sklearn computes no inertia without labels).
                 centres = np.asarray(fit.cluster_centers_, dtype=np.float32)
@@ -210,23 +250,6 @@ def spherical_kmeans(x, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
         centroids[empty] = centres / np.where(norms > 0, norms, 1.0)
     dist = _own_distance(xn, labels, centroids)
     return labels, dist, centroids
-
-
-def _nearest_centroid(xn: np.ndarray, centroids: np.ndarray, with_cos: bool = False):
-    """Index of the most cosine-similar centroid for each unit row (chunked), int64 (N,).
-
-    With ``with_cos``, returns ``(index, cosine to that centroid float32 (N,))``. Chunks of
-    ``_CHUNK_ROWS`` rows bound the (rows x k) score temporary (64 MiB at k = 256)."""
-    out = np.empty(xn.shape[0], dtype=np.int64)
-    cos = np.empty(xn.shape[0], dtype=np.float32) if with_cos else None
-    cent_t = np.ascontiguousarray(centroids.T, dtype=np.float32)
-    for lo in range(0, xn.shape[0], _CHUNK_ROWS):
-        hi = min(lo + _CHUNK_ROWS, xn.shape[0])
-        scores = xn[lo:hi] @ cent_t
-        out[lo:hi] = np.argmax(scores, axis=1)
-        if with_cos:
-            cos[lo:hi] = scores[np.arange(hi - lo), out[lo:hi]]
-    return (out, cos) if with_cos else out
 
 
 def merge_small_clusters(x, labels, centroids, min_size: int) -> tuple[np.ndarray, int]:
@@ -289,6 +312,8 @@ def cluster_sketches(
     algorithm: Literal["spherical", "kmeans"] = "spherical",
     max_cluster_ratio: Optional[float] = None,
     weights: Optional[np.ndarray] = None,
+    fit_rows: int = FIT_ROWS,
+    minibatch_rows: int = MINIBATCH_THRESHOLD,
 ) -> ClusterResult:
     """The Cluster stage: k-means, then small clusters merged (spherical only), the soft cap, distances.
 
@@ -310,6 +335,7 @@ def cluster_sketches(
         weights: int (N,) tokens per row: the cap then counts tokens (``weights`` of
             :func:`~ray_cluster_ft.cluster.capped.soft_cap_labels`);
             None counts rows (the published cap).
+        fit_rows, minibatch_rows: ``spherical``'s sample size and mini-batch threshold (:func:`spherical_kmeans`).
 
     Returns:
         :class:`ClusterResult` with contiguous labels and distances to the final centroids.
@@ -324,7 +350,7 @@ def cluster_sketches(
         raise ValueError(f"max_cluster_ratio must be > 1 or None, got {max_cluster_ratio!r}")
     if algorithm == "kmeans":
         arr = _as_matrix(x)
-        labels, dist, centroids = euclidean_kmeans(arr, _resolve_k(k, arr.shape[0], world_size), seed)
+        labels, dist, centroids = euclidean_kmeans(arr, resolve_k(k, arr.shape[0], world_size), seed)
         labels, cap = capped_labels(arr, labels, centroids, max_cluster_ratio, "sqeuclidean", weights)
         if cap is not None:
             dist = _sq_distance(arr, labels, centroids)
@@ -332,7 +358,7 @@ def cluster_sketches(
         return ClusterResult(labels=labels, dist=dist, centroids=centroids, k=int(centroids.shape[0]),
                              n_merged_clusters=n_empty, algorithm="kmeans", cap=cap)
     xn = _normalise_rows(_as_matrix(x))  # once: the calls below reuse these unit rows without copying
-    labels, _, centroids = spherical_kmeans(xn, _resolve_k(k, xn.shape[0], world_size), seed)
+    labels, _, centroids = spherical_kmeans(xn, resolve_k(k, xn.shape[0], world_size), seed, fit_rows, minibatch_rows)
     labels, n_merged = merge_small_clusters(xn, labels, centroids, min_cluster_size)
     k_final = int(labels.max()) + 1
     if n_merged:
@@ -343,7 +369,7 @@ def cluster_sketches(
                          cap=cap)
 
 
-def _resolve_k(k, n: int, world_size: int):
+def resolve_k(k, n: int, world_size: int):
     """``clustering.k`` as a number: ``auto`` by :func:`auto_k`, ``world_size`` the number of ranks."""
     if k == "auto":
         return auto_k(n, world_size)
@@ -371,7 +397,7 @@ def refit_kmeans(xs: np.ndarray, init: np.ndarray, algorithm: str, seed: int = 0
 
     ``spherical``: scikit-learn ``KMeans(init=init, n_init=1, algorithm="lloyd")`` on the unit rows (above
     :data:`MINIBATCH_THRESHOLD` rows ``MiniBatchKMeans`` with the same init on a
-    seeded sample of at most ``_FIT_ROWS`` rows, then every row to its most cosine-similar centre), centroids
+    seeded sample of at most ``FIT_ROWS`` rows, then every row to its most cosine-similar centre), centroids
     the renormalised means of each cluster (as :func:`spherical_kmeans`).
     ``kmeans``: ``KMeans(init=init, n_init=1)`` on the rows as given (the published clustering, warm-started).
 
@@ -400,7 +426,7 @@ def refit_kmeans(xs: np.ndarray, init: np.ndarray, algorithm: str, seed: int = 0
             km = KMeans(n_clusters=k, init=init, n_init=1, random_state=seed).fit(xs)
             return km.labels_.astype(np.int32), np.asarray(km.cluster_centers_, dtype=np.float32)
         if n > MINIBATCH_THRESHOLD:
-            rows = np.sort(np.random.default_rng([seed, 2]).choice(n, size=min(n, _FIT_ROWS), replace=False))
+            rows = np.sort(np.random.default_rng([seed, 2]).choice(n, size=min(n, FIT_ROWS), replace=False))
             fit = MiniBatchKMeans(n_clusters=k, init=init, n_init=1, batch_size=4096, max_no_improvement=10,
                                   random_state=seed, compute_labels=False).fit(xs[rows])
             centres = np.asarray(fit.cluster_centers_, dtype=np.float32)

@@ -25,6 +25,7 @@ __all__ = [
     "cluster_with_config",
     "clustering_warning",
     "drift_warning",
+    "finish_clusters",
     "load_cluster_map",
     "map_labels",
     "run",
@@ -63,7 +64,7 @@ class ClusterOutput:
 
 
 def save_cluster_map(path: Path, x, labels: np.ndarray, centroids: np.ndarray, algorithm: str,
-                     features: dict | None = None) -> dict:
+                     features: dict | None = None, near=None) -> dict:
     """Write a run's cluster map to ``path`` (``centroids.parquet``), atomically (temporary name, then rename).
 
     Args:
@@ -74,6 +75,8 @@ def save_cluster_map(path: Path, x, labels: np.ndarray, centroids: np.ndarray, a
         algorithm: ``spherical`` or ``kmeans``.
         features: the feature stage's ``feature_key``, ``feature_key_of`` and ``normalisation`` (its summary),
             or ``None``.
+        near: each row's distance to its nearest centroid, instead of ``x`` (see
+            :func:`~ray_cluster_ft.cluster.cluster_map.map_metadata`).
 
     Returns:
         The metadata written (:func:`~ray_cluster_ft.cluster.cluster_map.map_metadata`).
@@ -85,7 +88,7 @@ def save_cluster_map(path: Path, x, labels: np.ndarray, centroids: np.ndarray, a
     import pyarrow.parquet as pq
 
     cent = np.ascontiguousarray(centroids, dtype=np.float32)
-    meta = map_metadata(x, cent, algorithm, features)
+    meta = map_metadata(x, cent, algorithm, features, near=near)
     table = pa.table({
         "cluster": pa.array(np.arange(cent.shape[0], dtype=np.int32)),
         "size": pa.array(np.bincount(np.asarray(labels), minlength=cent.shape[0]).astype(np.int64)),
@@ -280,14 +283,21 @@ def run(cfg, run_dir: Path, *, example_ids: np.ndarray, sketches: np.ndarray, re
 
     from ..rundir import claim, same_as_before
 
-    c = cfg.clustering
-    W = cfg.train.num_workers
     res, table = cluster_with_config(cfg, example_ids, sketches, features, n_tokens)
     if resume:
         same_as_before(run_dir / "clusters.parquet", table, ["example_id", "cluster"])
     pq.write_table(table, claim(run_dir, "clusters.parquet"))
     meta = save_cluster_map(claim(run_dir, CENTROIDS_FILE), sketches, res.labels, res.centroids, res.algorithm,
                             features)
+    return finish_clusters(cfg, res, meta)
+
+
+def finish_clusters(cfg, res: ClusterResult, meta: dict) -> ClusterOutput:
+    """:func:`run`'s last part, shared with the streamed clustering (:mod:`ray_cluster_ft.cluster.stream`): the
+    manifest's ``clustering`` entry from the result and the map's metadata, the warnings printed, and the
+    refusals of too few clusters (see :func:`run`'s Raises)."""
+    c = cfg.clustering
+    W = cfg.train.num_workers
     summary = {"k": int(res.k), "merged_small_clusters": int(res.n_merged_clusters),
                "sizes": np.bincount(res.labels).tolist(), "algorithm": res.algorithm,
                "p95_distance": meta["p95_distance"]}

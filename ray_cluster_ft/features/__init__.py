@@ -22,11 +22,16 @@ from .last_layer import last_layer_features
 from .projection import make_projector, select_modules, sketch_batch
 from .sketchers import make_sketcher
 from .stage import FeaturesOutput, compute_sketches, run, sketch_with_store
-from .store import read_sketches
+from .store import FeatureShards, feature_shards, read_shard, read_sketches, stream_features, streaming_unsupported
 
 __all__ = [
+    "FeatureShards",
     "FeatureStore",
     "FeaturesOutput",
+    "feature_shards",
+    "read_shard",
+    "stream_features",
+    "streaming_unsupported",
     "compute_sketches",
     "last_layer_features",
     "make_projector",

@@ -13,12 +13,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from .store import Shard
 
 
-def _to_arrow(batch: dict[str, np.ndarray]):
-    """Numpy sketch batch -> Arrow table whose ``sketch`` is a plain ``fixed_size_list<float32>[dim]``
-    (readable by any Parquet reader, no Ray extension type)."""
+def _to_arrow(batch: dict[str, np.ndarray], dtype: str = "float32"):
+    """Numpy sketch batch -> Arrow table whose ``sketch`` is a plain ``fixed_size_list<float32>[dim]``, or
+    ``fixed_size_list<halffloat>[dim]`` for ``dtype="float16"`` (readable by any Parquet reader, no Ray extension
+    type; the list's value type records the dtype)."""
     import pyarrow as pa
 
-    sk = np.ascontiguousarray(batch["sketch"], dtype=np.float32)
+    sk = np.ascontiguousarray(batch["sketch"], dtype=np.float16 if dtype == "float16" else np.float32)
     return pa.table(
         {
             "example_id": pa.array(np.asarray(batch["example_id"]).astype(str), type=pa.string()),

@@ -23,7 +23,8 @@ from .last_layer import normalise_last_layer
 from .sketchers import embedding_model_dir, make_sketcher
 from ._pool import _actor_resources, _layout_actors, _row_bar
 from ._shards import _SHARD_COLS, _finished_shards, _to_arrow, _write_atomic
-from .store import plan_shards, sketch_fingerprint
+from .store import (FeatureShards, plan_shards, resolve_shard_dtype, run_shards, sketch_fingerprint,
+                    stream_features, streaming_unsupported)
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
@@ -79,6 +80,7 @@ class ShardSketcher:
                  fail_on_shard: int | None = None):
         self.inner = make_sketcher(method, model_path, sketch, trust_remote_code, pad_token_id, device)
         self.method = method
+        self.shard_dtype = "float16" if sketch.get("shard_dtype") == "float16" else "float32"
         self.out_dir = Path(out_dir)
         self.fail_on_shard = fail_on_shard
         self.metrics = None
@@ -115,7 +117,7 @@ class ShardSketcher:
                 raise RuntimeError(f"ShardSketcher: injected failure on shard {s}")
             t0 = time.perf_counter()
             sub = {k: v[rows] for k, v in batch.items() if k not in _SHARD_COLS}
-            _write_atomic(_to_arrow(self.inner(sub)), self.out_dir / files[rows[0]])
+            _write_atomic(_to_arrow(self.inner(sub), self.shard_dtype), self.out_dir / files[rows[0]])
             dt = time.perf_counter() - t0
             if self.metrics is not None:
                 tokens = float(np.asarray(sub["n_tokens"]).sum())
@@ -184,6 +186,7 @@ def compute_sketches(
     fail_on_shard: int | None = None,
     gpu_actors: int | None = None,
     in_process_rows: int = 0,
+    n_candidates: int | None = None,
 ) -> dict:
     """Sketch every example with a pool of :class:`ShardSketcher` actors; resumable, one Parquet file a shard.
 
@@ -195,6 +198,10 @@ def compute_sketches(
     (another config's or input's shards, a half-written file). Each actor writes its shards atomically, so an
     interrupted run leaves only whole shards, and a re-run sketches the rest: in the end ``out_dir`` holds
     exactly one sketch per input row.
+
+    The shards hold ``sketch`` as float32, or float16 when :func:`resolve_shard_dtype` says so (above
+    ``sketch.stream_rows`` candidates by default); a float16 shard has another file name (the fingerprint
+    records the dtype), so a float32 shard is never taken for one.
 
     Input columns: ``example_id``, ``input_ids``, ``labels``, ``n_tokens`` for ``method: sketch``,
     ``last_layer`` and ``hidden_mean``; ``example_id``, ``text``, ``n_tokens`` for ``method: embedding`` (others are ignored). The
@@ -222,6 +229,8 @@ def compute_sketches(
             are sketched by one :class:`ShardSketcher` in this process (same shards, same files) instead of an
             actor pool, whose start-up (a fresh worker importing torch and loading the model: 5 s on an idle
             core, 30 s on a loaded one) costs more than a few rows. 0 = always the pool.
+        n_candidates: the job's candidates, for ``sketch.shard_dtype: auto`` (:func:`resolve_shard_dtype`;
+            default the rows of ``examples``; with a feature store only the missing rows are sketched here).
 
     Returns:
         ``{"shards", "reused", "computed", "rows_reused", "rows_computed", "examples", "seconds"}``: shard counts
@@ -241,6 +250,7 @@ def compute_sketches(
     if model_path is None:
         raise ValueError(f"compute_sketches: method {cfg.method!r} needs a model_path")
     rows = shard_rows if shard_rows is not None else _default_shard_rows(table.num_rows, cfg, use_gpu, gpu_actors)
+    cfg = cfg.model_copy(update={"shard_dtype": resolve_shard_dtype(cfg, n_candidates or table.num_rows)})
     shards = plan_shards(table, rows, sketch_fingerprint(cfg, model_path, use_gpu), _input_columns(cfg.method)[1:-1])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -372,9 +382,10 @@ def sketch_with_store(table: pa.Table, model_path: str | None, cfg: SketchConfig
     if model_path is None:
         raise ValueError(f"sketch_with_store: method {cfg.method!r} needs a model_path")
     key, desc = store_key(cfg, model_path, use_gpu)
-    desc_summary = {"settings": desc["settings"], "model": _digest(desc["model"]), "gpu": desc["gpu"]}
+    desc_summary = _store_key(cfg, model_path, use_gpu)[1]
     args = {"use_gpu": use_gpu, "trust_remote_code": trust_remote_code, "pad_token_id": pad_token_id,
-            "shard_rows": shard_rows, "gpu_actors": gpu_actors, "in_process_rows": cfg.in_process_rows}
+            "shard_rows": shard_rows, "gpu_actors": gpu_actors, "in_process_rows": cfg.in_process_rows,
+            "n_candidates": table.num_rows}
     if not cfg.store:
         summary = compute_sketches(table, model_path, cfg, out_dir, **args)
         summary.update(features_computed=summary["rows_computed"], features_reused=summary["rows_reused"],
@@ -409,6 +420,15 @@ def sketch_with_store(table: pa.Table, model_path: str | None, cfg: SketchConfig
                    feature_key_of=desc_summary, store=cfg.store, store_parts_read=parts_read,
                    store_parts_written=len(parts))
     return sk, summary
+
+
+def _store_key(cfg: SketchConfig, model_path: str, use_gpu: bool) -> tuple[str, dict]:
+    """The feature key (:func:`~ray_cluster_ft.features.feature_store.store_key`) and the summary's
+    ``feature_key_of`` (settings, model fingerprint digest, gpu)."""
+    from .feature_store import store_key
+
+    key, desc = store_key(cfg, model_path, use_gpu)
+    return key, {"settings": desc["settings"], "model": _digest(desc["model"]), "gpu": desc["gpu"]}
 
 
 def sketch_in_process(table, model_path: str, sk: SketchConfig, trust: bool, pad_token_id: int) -> dict:
@@ -459,8 +479,9 @@ class FeaturesOutput:
             manifest's ``sketch`` entry).
     """
 
-    sketches: np.ndarray
+    sketches: np.ndarray | None
     summary: dict
+    shards: FeatureShards | None = None
 
 
 def run(cfg, run_dir: Path, *, candidates, tokenizer=None, inputs=None, sketch_model: str | None = None
@@ -499,6 +520,17 @@ def run(cfg, run_dir: Path, *, candidates, tokenizer=None, inputs=None, sketch_m
         inputs = prepare_sketch_inputs(candidates, cfg, tokenizer)  # proxy model / re-tokenised / text
     model = sketch_model if sketch_model is not None else inputs.model_path
     sketch_dir = claim(run_dir, "sketches")
+    if stream_features(cfg.sketch, candidates.num_rows) and streaming_unsupported(cfg) is None:
+        summary = compute_sketches(
+            inputs.table, model, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
+            trust_remote_code=cfg.model.trust_remote_code, pad_token_id=inputs.pad_token_id,
+            gpu_actors=cfg.train.num_workers, in_process_rows=cfg.sketch.in_process_rows)
+        key, desc = _store_key(cfg.sketch, model, cfg.train.use_gpu)
+        shards = run_shards(sketch_dir, candidates)
+        summary.update(features_computed=summary["rows_computed"], features_reused=summary["rows_reused"],
+                       feature_key=key, feature_key_of=desc, model=model, retokenized=inputs.retokenized,
+                       streamed=True, shard_dtype=shards.dtype)
+        return FeaturesOutput(None, summary, shards)
     sk, summary = sketch_with_store(
         inputs.table, model, cfg.sketch, str(sketch_dir), use_gpu=cfg.train.use_gpu,
         trust_remote_code=cfg.model.trust_remote_code, pad_token_id=inputs.pad_token_id,

@@ -15,7 +15,14 @@ import numpy as np
 from ..config import SketchConfig
 
 __all__ = [
+    "FeatureShards",
     "Shard",
+    "feature_shards",
+    "read_shard",
+    "resolve_shard_dtype",
+    "run_shards",
+    "streaming_unsupported",
+    "stream_features",
     "feature_settings",
     "model_files_fingerprint",
     "sketch_fingerprint",
@@ -82,11 +89,14 @@ def feature_settings(cfg: SketchConfig) -> dict:
 def sketch_fingerprint(cfg: SketchConfig, model_path: str, use_gpu: bool) -> str:
     """Hex digest of everything a sketch's values depend on besides its example: the settings of
     :func:`feature_settings` (method, projection settings, pooling, dtype, ``max_tokens``), the model weights (see
-    :func:`model_files_fingerprint`) and the device kind."""
+    :func:`model_files_fingerprint`), the device kind and a ``sketch.shard_dtype`` of ``float16`` (resolved: give
+    ``cfg`` with :func:`resolve_shard_dtype`'s value; ``auto`` counts as float32)."""
     import json
 
-    blob = json.dumps({"v": 1, "cfg": feature_settings(cfg), "model": model_files_fingerprint(model_path),
-                       "gpu": bool(use_gpu)}, sort_keys=True, default=str)
+    key = {"v": 1, "cfg": feature_settings(cfg), "model": model_files_fingerprint(model_path), "gpu": bool(use_gpu)}
+    if cfg.shard_dtype == "float16":  # only then: float32 shards keep the names they had before issue 30
+        key["shard_dtype"] = "float16"
+    blob = json.dumps(key, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -186,3 +196,116 @@ def read_sketches(out_dir: str) -> dict[str, np.ndarray]:
         "loss": table.column("loss").to_numpy().astype(np.float32)[order],
         "n_tokens": table.column("n_tokens").to_numpy().astype(np.int32)[order],
     }
+
+
+def stream_features(cfg: SketchConfig, n_candidates: int) -> bool:
+    """Whether a job of ``n_candidates`` keeps its features in their shards (``sketch.stream_rows``): more
+    candidates than ``stream_rows`` (never when it is null)."""
+    return cfg.stream_rows is not None and int(n_candidates) > int(cfg.stream_rows)
+
+
+def resolve_shard_dtype(cfg: SketchConfig, n_candidates: int) -> str:
+    """``sketch.shard_dtype`` as written to the shards: ``float16`` or ``float32`` as set; ``auto`` is float16 when
+    the job streams (:func:`stream_features`) and has no feature store (whose rows another, smaller job may read
+    back: they stay float32), else float32, so a small job's features are exactly what they were."""
+    if cfg.shard_dtype != "auto":
+        return cfg.shard_dtype
+    return "float16" if stream_features(cfg, n_candidates) and not cfg.store else "float32"
+
+
+@dataclass(frozen=True)
+class FeatureShards:
+    """Feature shards on disk, in candidate order: file i holds the candidates ``offsets[i]:offsets[i + 1]``.
+
+    Attributes:
+        files: absolute paths of the Parquet shards (``example_id``, ``sketch``, ``loss``, ``n_tokens``).
+        offsets: int64 ``(len(files) + 1,)`` row offsets, from 0 to the number of rows.
+        dim: the feature size.
+        dtype: the shards' stored float type, ``float16`` or ``float32`` (read back as float32).
+    """
+
+    files: tuple
+    offsets: np.ndarray
+    dim: int
+    dtype: str
+
+    @property
+    def n_rows(self) -> int:
+        """All rows of all shards."""
+        return int(self.offsets[-1])
+
+
+def feature_shards(paths: Sequence[str]) -> FeatureShards:
+    """The :class:`FeatureShards` of the Parquet files ``paths``, in the order given (the candidates' order), from
+    their footers alone (no feature is read).
+
+    Raises:
+        ValueError: no files; a file without a ``sketch`` column of fixed-size float lists; sizes or float types
+            that differ between files.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not paths:
+        raise ValueError("feature_shards: no shard files")
+    counts, kinds = [], set()
+    for p in paths:
+        f = pq.ParquetFile(p)
+        field = f.schema_arrow.field("sketch") if "sketch" in f.schema_arrow.names else None
+        if field is None or not pa.types.is_fixed_size_list(field.type) \
+                or not pa.types.is_floating(field.type.value_type):
+            raise ValueError(f"feature_shards: {p} has no sketch column of fixed-size float lists")
+        kinds.add((field.type.list_size, "float16" if pa.types.is_float16(field.type.value_type) else "float32"))
+        counts.append(f.metadata.num_rows)
+    if len(kinds) != 1:
+        raise ValueError(f"feature_shards: the shards differ in feature size or float type: {sorted(kinds)}")
+    (dim, dtype), = kinds
+    return FeatureShards(tuple(str(Path(p).resolve()) for p in paths),
+                         np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), int(dim), dtype)
+
+
+def read_shard(path: str, with_ids: bool = False) -> dict[str, np.ndarray]:
+    """One shard's rows, in file order: ``sketch`` float32 ``(n, dim)`` (float16 shards upcast), ``n_tokens``
+    int64 ``(n,)`` and with ``with_ids`` ``example_id`` (a ``pyarrow.StringArray``)."""
+    import pyarrow.parquet as pq
+
+    cols = ["sketch", "n_tokens"] + (["example_id"] if with_ids else [])
+    t = pq.read_table(path, columns=cols)
+    col = t.column("sketch").combine_chunks()
+    x = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), col.type.list_size)
+    out = {"sketch": np.ascontiguousarray(x, dtype=np.float32),
+           "n_tokens": t.column("n_tokens").to_numpy().astype(np.int64)}
+    if with_ids:
+        out["example_id"] = t.column("example_id").combine_chunks()
+    return out
+
+
+def streaming_unsupported(cfg) -> str | None:
+    """Why a job above ``sketch.stream_rows`` still gathers its features on the driver, or None when it streams:
+    a feature store (its rows are read back whole), ``sketch.method: last_layer`` (its normalisation spans all
+    rows), or a clustering or selection setting the streaming stages do not offer (``clustering.from_run``,
+    ``clustering.algorithm: kmeans``, ``clustering.max_cluster_ratio``, ``selection.groups``)."""
+    c, s = cfg.clustering, cfg.selection
+    for why, bad in (("sketch.store", cfg.sketch.store), ("sketch.method: last_layer", cfg.sketch.method == "last_layer"),
+                     ("clustering.from_run", c.from_run), ("clustering.algorithm: kmeans", c.algorithm == "kmeans"),
+                     ("clustering.max_cluster_ratio", c.max_cluster_ratio is not None),
+                     ("selection.groups", s.groups is not None)):
+        if bad:
+            return why
+    return None
+
+
+def run_shards(sketch_dir: Path, candidates) -> FeatureShards:
+    """The run's shards (``shard-<index>-<key>.parquet``, every other file removed by :func:`compute_sketches`) in
+    shard order, checked shard by shard to hold the candidates in their order (ids only are read)."""
+    import pyarrow.parquet as pq
+
+    fs = feature_shards(sorted(str(p) for p in sketch_dir.glob("shard-*.parquet")))
+    ids = candidates.column("example_id")
+    if fs.n_rows != len(ids):
+        raise RuntimeError(f"sketch stage produced {fs.n_rows} sketches for {len(ids)} examples")
+    for f, lo, hi in zip(fs.files, fs.offsets[:-1], fs.offsets[1:]):
+        got = pq.read_table(f, columns=["example_id"]).column("example_id")
+        if not got.equals(ids.slice(int(lo), int(hi - lo))):
+            raise RuntimeError(f"sketch stage: {f} does not hold candidates {lo}..{hi - 1} in candidate order")
+    return fs

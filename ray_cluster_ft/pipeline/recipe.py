@@ -14,6 +14,8 @@ import numpy as np
 import pandas as pd
 
 from .. import allocate, cluster, data, evaluate, features, select, train
+from ..cluster import stream as cluster_stream
+from ..select import stream as select_stream
 from ..config import ConfigError, JobConfig, check_against_data, needs_clusters
 from ..features.feature_store import check_store
 from ..features.inputs import prepare_sketch_inputs
@@ -71,7 +73,9 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
     check_module_patterns(cfg, ds.model_path, clustered)
 
     feats = clusters = trained = before = after = epochs = None
-    needs_ray = not plan_only or (clustered and not _features_in_driver(cfg, cand.num_rows))
+    streamed = clustered and features.stream_features(cfg.sketch, cand.num_rows) \
+        and features.streaming_unsupported(cfg) is None  # the streamed stages run their passes on Ray
+    needs_ray = not plan_only or streamed or (clustered and not _features_in_driver(cfg, cand.num_rows))
     with _session(needs_ray, address, cfg.train.use_gpu) as started_ray:
         # A plan for any world size may be made on a laptop: only training needs the workers' resources.
         if started_ray and not plan_only and not (address or os.environ.get("RAY_ADDRESS")):
@@ -83,12 +87,20 @@ def run_pipeline(cfg: JobConfig, address: str | None = None, plan_only: bool = F
             feats = _features(cfg, run_dir, ds, timer)
             sketches = feats.sketches
             with timer.stage("cluster"):
-                clusters = cluster.run(cfg, run_dir, example_ids=ids, sketches=sketches, resume=resume,
-                                       features=feats.summary, n_tokens=n_tokens)
+                if feats.shards is not None:  # above sketch.stream_rows: the features stay in their shards
+                    clusters = cluster_stream.run_streamed(cfg, run_dir, shards=feats.shards, resume=resume,
+                                                           example_ids=cand.column("example_id").combine_chunks(),
+                                                           features=feats.summary)
+                else:
+                    clusters = cluster.run(cfg, run_dir, example_ids=ids, sketches=sketches, resume=resume,
+                                           features=feats.summary, n_tokens=n_tokens)
             labels, dist = clusters.labels, clusters.dist
         with timer.stage("select"):
-            sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist,
-                             n_tokens=n_tokens)
+            if feats is not None and feats.shards is not None:
+                sel, _ = select_stream.select_streamed(cfg, feats.shards, labels, dist, n_tokens=n_tokens)
+            else:
+                sel = select.run(cfg, run_dir, n_candidates=len(ids), sketches=sketches, labels=labels, dist=dist,
+                                 n_tokens=n_tokens)
         with timer.stage("allocate"):
             alloc = allocate.run(cfg, run_dir, example_ids=ids,
                                  labels=labels if clustered else np.zeros(len(ids), dtype=np.int64),

@@ -40,6 +40,7 @@ __all__ = [
     "equalize_count",
     "group_quotas",
     "select",
+    "select_cluster",
     "selection_weights",
     "token_budget_count",
     "water_fill_quotas",
@@ -529,6 +530,18 @@ def _select_tokens_within(x_c, d_c, nt_c: np.ndarray, quota_tokens: int, within,
     return loc[keep], [reasons[i] for i in keep.tolist()]
 
 
+def select_cluster(x_c, d_c, quota: int, within: str, dedup_threshold: float, seed: int, c: int,
+                   nt_c=None) -> tuple[np.ndarray, list[str]]:
+    """Cluster ``c``'s picks as :func:`select` makes them: :func:`select_within` with a seed derived from
+    ``(seed, c)``, or under a token quota (``nt_c``: its members' tokens, ``quota`` then in tokens). ``x_c``,
+    ``d_c``: its members' features and distances in ascending candidate order. Returns (local indices int64,
+    reasons); the streamed selection calls it one cluster at a time."""
+    c_seed = int(np.random.SeedSequence([int(seed), int(c)]).generate_state(1)[0])
+    if nt_c is None:
+        return select_within(x_c, d_c, int(quota), within, dedup_threshold, c_seed)
+    return _select_tokens_within(x_c, d_c, nt_c, int(quota), within, dedup_threshold, c_seed)
+
+
 def _per_cluster(x, lab, d, quotas, within, dedup_threshold, seed, nt=None) -> SelectionResult:
     """:func:`select_within` with each cluster's quota; indices sorted ascending."""
     sizes = np.bincount(lab, minlength=quotas.size)
@@ -542,13 +555,8 @@ def _per_cluster(x, lab, d, quotas, within, dedup_threshold, seed, nt=None) -> S
     with limit:
         for c in np.flatnonzero(quotas):
             members = order[starts[c] : starts[c + 1]]
-            c_seed = int(np.random.SeedSequence([int(seed), int(c)]).generate_state(1)[0])
-            x_c = None if x is None else x[members]
-            if nt is None:
-                loc, reasons = select_within(x_c, d[members], int(quotas[c]), within, dedup_threshold, c_seed)
-            else:  # quotas are tokens
-                loc, reasons = _select_tokens_within(x_c, d[members], nt[members], int(quotas[c]), within,
-                                                     dedup_threshold, c_seed)
+            loc, reasons = select_cluster(None if x is None else x[members], d[members], int(quotas[c]), within,
+                                          dedup_threshold, seed, int(c), None if nt is None else nt[members])
             chosen.append(members[loc])
             why.extend(reasons)
     if not chosen:
