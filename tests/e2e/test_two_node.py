@@ -48,11 +48,17 @@ def _can_unshare_mounts() -> str | None:
     return None
 
 
-def _node_ports() -> list[str]:
+def _node_ports(taken: tuple[int, ...] = ()) -> list[str]:
+    """A node's component ports and a 41-port worker range that holds none of them nor ``taken`` (Ray refuses a
+    worker range that overlaps another component's port)."""
     flags = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
+    ports = [free_port() for _ in flags]
+    used = set(ports) | set(taken)
     lo = free_port()
-    return [f"{f}={free_port()}" for f in flags] + [f"--min-worker-port={lo}", f"--max-worker-port={lo + 40}"]
+    while any(lo <= p <= lo + 40 for p in used):
+        lo = free_port()
+    return [f"{f}={p}" for f, p in zip(flags, ports)] + [f"--min-worker-port={lo}", f"--max-worker-port={lo + 40}"]
 
 
 def _rows() -> list[dict]:
@@ -80,10 +86,10 @@ def two_nodes():
     env.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep),
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
-    port = free_port()
+    port, client_port = free_port(), free_port()
     head_cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
-                "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
-                f"--temp-dir={tmp / 'head'}", "--disable-usage-stats", *_node_ports()]
+                "--include-dashboard=false", f"--ray-client-server-port={client_port}",
+                f"--temp-dir={tmp / 'head'}", "--disable-usage-stats", *_node_ports((port, client_port))]
     head_log = open(tmp / "head.log", "w")  # noqa: SIM115 - closed after stop_started
     head = subprocess.Popen(head_cmd, env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
     node = node_log = None
