@@ -183,8 +183,9 @@ def replan(plan: pd.DataFrame, example_ids: Sequence[Any], n_tokens: Sequence[in
                     int(micro_batch_size or shape.micro_batch_size), shape.grad_accum,
                     int(plan["epoch"].nunique()), strategy=a.strategy, seed=a.seed, pad_tolerance=a.pad_tolerance)
     if len(res.dropped):
-        logging.getLogger(__name__).warning("replan: %d of %d rows dropped to give every rank the same "
-                                            "micro-batch count", len(res.dropped), ids.size)
+        dropped = [str(x) for x in res.dropped]  # example ids
+        logging.getLogger(__name__).warning("replan: %d of %d rows dropped to give every rank the same micro-batch "
+                                            "count (not trained): %s", len(dropped), ids.size, dropped[:20])
     return res.plan
 
 

@@ -216,7 +216,8 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
         keys = list(next(iter(pm.values())).keys())
         lines += ["## Allocation plan vs random allocation", "",
                   _table(["metric"] + list(pm), [[k] + [pm[s].get(k) for s in pm] for k in keys]), ""]
-        lines += _packing_lines(manifest.get("allocation"), manifest.get("config", {}).get("train", {}))
+        lines += _packing_lines(manifest.get("allocation"), manifest.get("config", {}).get("train", {}),
+                                (pm.get("cluster") or {}).get("collisions_per_step_rows"))
 
     warning = manifest.get("clustering", {}).get("warning")
     if warning:
@@ -239,10 +240,11 @@ def write_report(run_dir: Path, manifest: dict, plan: pd.DataFrame, labels: np.n
     return path
 
 
-def _packing_lines(alloc: dict | None, train: dict) -> list[str]:
+def _packing_lines(alloc: dict | None, train: dict, collisions_rows: float | None = None) -> list[str]:
     """The report's lines on packing and per-row collisions: what ``allocation.packing`` resolved to, the pack
     size, and whether ``collisions_per_step_rows`` can be 0: it cannot while a cluster holds more than 1/W of the
-    planned tokens (each such cluster named with its share)."""
+    planned tokens (each such cluster named with its share); ``collisions_rows``, the plan's own figure, is
+    named where a packed plan that could reach 0 did not (too few rows to fill every step)."""
     if not alloc:
         return []
     w = train.get("num_workers")
@@ -264,6 +266,10 @@ def _packing_lines(alloc: dict | None, train: dict) -> list[str]:
         text += f" No cluster holds more than 1/{w} of the planned tokens, so every step's ranks can hold distinct "
         text += "clusters counted per row" + (" (the packed cluster plan keeps them so)." if alloc["packing"] else
                                               "; the unpacked plan keeps only each micro-batch's majority apart.")
+        if alloc["packing"] and collisions_rows:
+            text = text[:-len(" (the packed cluster plan keeps them so).")] + (
+                f"; this packed plan still has {collisions_rows:g} same-cluster collisions per step counted per "
+                f"row: its clusters hold too few rows to fill every step with distinct ones.")
     return [text, ""]
 def _trained_lines(manifest: dict, examples: list[str]) -> list[str]:
     """"What is trained": the formats and unused text fields per file, then the decoded examples."""

@@ -119,6 +119,9 @@ def test_manifest_and_report_name_a_cluster_above_one_rank_share(tmp_path):
     balanced = packing_summary(cfg, make_plan(ids, np.arange(n) % 4, nt, 2, 4, packing=True).plan, 200)
     assert balanced["over_share"] == []
     assert "No cluster holds more than 1/2 of the planned tokens" in " ".join(_packing_lines(balanced, {"num_workers": 2}))
+    # A tiny packed plan that could reach 0 but did not says so with its own figure, not that it keeps them apart.
+    tiny = " ".join(_packing_lines(balanced, {"num_workers": 2}, 1.0))
+    assert "still has 1 same-cluster collisions per step" in tiny and "keeps them so" not in tiny
     unpacked = packing_summary(parse_config({"allocation": {"packing": False}}), res.plan, None)
     assert unpacked["packing"] is False and unpacked["max_tokens_per_micro_batch"] is None
     assert "Not packed (`allocation.packing: false`)" in _packing_lines(unpacked, {"num_workers": 2})[0]
