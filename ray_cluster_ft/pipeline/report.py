@@ -264,12 +264,14 @@ def _packing_lines(alloc: dict | None, train: dict, collisions_rows: float | Non
                  f"`clustering.max_cluster_ratio` with `cap_by: tokens`, or a larger `clustering.k` avoids it).")
     else:
         text += f" No cluster holds more than 1/{w} of the planned tokens, so every step's ranks can hold distinct "
-        text += "clusters counted per row" + (" (the packed cluster plan keeps them so)." if alloc["packing"] else
-                                              "; the unpacked plan keeps only each micro-batch's majority apart.")
-        if alloc["packing"] and collisions_rows:
-            text = text[:-len(" (the packed cluster plan keeps them so).")] + (
-                f"; this packed plan still has {collisions_rows:g} same-cluster collisions per step counted per "
-                f"row: its clusters hold too few rows to fill every step with distinct ones.")
+        if not alloc["packing"]:
+            tail = "; the unpacked plan keeps only each micro-batch's majority apart."
+        elif collisions_rows:
+            tail = (f"; this packed plan still has {collisions_rows:g} same-cluster collisions per step counted per "
+                    f"row: its clusters hold too few rows to fill every step with distinct ones.")
+        else:
+            tail = " (the packed cluster plan keeps them so)."
+        text += "clusters counted per row" + tail
     return [text, ""]
 def _trained_lines(manifest: dict, examples: list[str]) -> list[str]:
     """"What is trained": the formats and unused text fields per file, then the decoded examples."""

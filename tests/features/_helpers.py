@@ -1,6 +1,7 @@
 """Random token rows and their padded batches, shared by the feature tests."""
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from ray_cluster_ft.data import IGNORE_INDEX
@@ -31,3 +32,11 @@ def pad(rows, labels, side):
         sl = slice(0, len(r)) if side == "right" else slice(t - len(r), t)
         ids[i, sl], lab[i, sl], mask[i, sl] = torch.from_numpy(r), torch.from_numpy(l), 1
     return ids, mask, lab
+
+
+def example_table(n):
+    """``n`` rows of 5-17 random tokens (1-3 of them prompt) as a candidates table: ``example_id`` (``ex00``...),
+    ``input_ids``, ``labels``, ``n_tokens``."""
+    rows, labels = examples([5 + (7 * i) % 13 for i in range(n)], [1 + i % 3 for i in range(n)], seed=3)
+    return pa.Table.from_pylist([{"example_id": f"ex{i:02d}", "input_ids": r.tolist(), "labels": lab.tolist(),
+                                  "n_tokens": len(r)} for i, (r, lab) in enumerate(zip(rows, labels))])

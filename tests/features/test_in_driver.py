@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from ray_cluster_ft.features.sketchers import make_sketcher
 from ray_cluster_ft.features.stage import sketch_with_store
 from ray_cluster_ft.model import make_tiny_model
 
-from ._helpers import examples as _examples
+from ._helpers import example_table as _table
 
 CFG = SketchConfig(k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
 
@@ -41,12 +40,6 @@ def no_ray(monkeypatch):
 def tiny_dir(tmp_path_factory):
     torch.set_num_threads(1)
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-def _table(n):
-    rows, labels = _examples([5 + (7 * i) % 13 for i in range(n)], [1 + i % 3 for i in range(n)], seed=3)
-    return pa.Table.from_pylist([{"example_id": f"ex{i:02d}", "input_ids": r.tolist(), "labels": lab.tolist(),
-                                  "n_tokens": len(r)} for i, (r, lab) in enumerate(zip(rows, labels))])
 
 
 def test_rows_up_to_the_threshold_are_sketched_here_without_ray(tiny_dir, tmp_path, no_ray, capsys):

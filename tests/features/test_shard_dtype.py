@@ -16,7 +16,7 @@ from ray_cluster_ft.features.stage import compute_sketches
 from ray_cluster_ft.features.store import resolve_shard_dtype, sketch_fingerprint
 from ray_cluster_ft.model import make_tiny_model
 
-from ._helpers import examples as _examples
+from ._helpers import example_table as _table
 
 CFG = SketchConfig(k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
 
@@ -25,12 +25,6 @@ CFG = SketchConfig(k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7,
 def tiny_dir(tmp_path_factory):
     torch.set_num_threads(1)
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-def _table(n):
-    rows, labels = _examples([5 + (7 * i) % 13 for i in range(n)], [1 + i % 3 for i in range(n)], seed=3)
-    return pa.Table.from_pylist([{"example_id": f"ex{i:02d}", "input_ids": r.tolist(), "labels": lab.tolist(),
-                                  "n_tokens": len(r)} for i, (r, lab) in enumerate(zip(rows, labels))])
 
 
 def test_the_shard_dtype_follows_the_stream_threshold():

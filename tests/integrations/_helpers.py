@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+import transformers
 
 from ray_cluster_ft.allocate import make_plan
 
@@ -88,3 +89,14 @@ def readme_example(name: str, run_dir: Path, model_path: str | Path) -> str:
 def planned_rows(plan: pd.DataFrame, rank: int) -> pd.DataFrame:
     """Rank's rows in training order (the plan is sorted by rank, epoch, step, micro_index, position)."""
     return plan[plan["rank"] == rank].sort_values(["epoch", "step", "micro_index"], kind="stable")
+
+
+class ParamsAfterFirstStep(transformers.TrainerCallback):
+    """A Trainer callback keeping a copy of every parameter after the first optimizer step (``.params``)."""
+
+    def __init__(self):
+        self.params = None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 1:
+            self.params = {k: p.detach().clone() for k, p in model.named_parameters()}

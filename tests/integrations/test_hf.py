@@ -18,6 +18,7 @@ from ray_cluster_ft.train import verify_trained
 from tests.conftest import free_port
 
 from ._helpers import (
+    ParamsAfterFirstStep,
     make_run,
     planned_rows,
     readme_example,
@@ -35,15 +36,6 @@ def _args(out: Path, **kw):
     return TrainingArguments(**{**base, **kw})
 
 
-class _ParamsAfterFirstStep(transformers.TrainerCallback):
-    def __init__(self):
-        self.params = None
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step == 1:
-            self.params = {k: p.detach().clone() for k, p in model.named_parameters()}
-
-
 def test_plan_trainer_one_process_takes_the_token_exact_sgd_step(tmp_path, tiny_model_dir):
     """W = 1, G = 2: the first SGD step moves every parameter by -lr * d(step loss)/dtheta, the step loss being
     sum_i w_i sum_t l_it / D over both micro-batches (so the Trainer neither averages per micro-batch nor
@@ -54,7 +46,7 @@ def test_plan_trainer_one_process_takes_the_token_exact_sgd_step(tmp_path, tiny_
 
     made = make_run(tmp_path / "run", n=8, world=1, mbs=2, ga=2, epochs=1)
     plan, ex, w = made["plan"], made["examples"], made["weights"]
-    probe = _ParamsAfterFirstStep()
+    probe = ParamsAfterFirstStep()
     lr = 0.5
     trainer = PlanTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),

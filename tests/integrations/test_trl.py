@@ -11,7 +11,7 @@ import torch
 from ray_cluster_ft.allocate import make_plan
 from ray_cluster_ft.integrations.torch import is_packed_plan, replan
 
-from ._helpers import planned_rows
+from ._helpers import ParamsAfterFirstStep, planned_rows
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -35,15 +35,6 @@ def _config(tmp_path, **kw):
     return trl.SFTConfig(str(tmp_path / "out"), **{**base, **kw})
 
 
-class _ParamsAfterFirstStep(__import__("transformers").TrainerCallback):
-    def __init__(self):
-        self.params = None
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step == 1:
-            self.params = {k: p.detach().clone() for k, p in model.named_parameters()}
-
-
 def test_plan_sft_trainer_replans_on_trls_tokens_and_takes_the_weighted_step(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,7 +42,7 @@ def test_plan_sft_trainer_replans_on_trls_tokens_and_takes_the_weighted_step(tmp
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     weights = pd.Series(np.linspace(0.5, 2.0, N), index=[f"e{i}" for i in range(N)])
-    probe, lr = _ParamsAfterFirstStep(), 0.5
+    probe, lr = ParamsAfterFirstStep(), 0.5
     trainer = PlanSFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), processing_class=tok,
         args=_config(tmp_path, optim="sgd", learning_rate=lr, lr_scheduler_type="constant", max_grad_norm=0.0,
