@@ -82,12 +82,17 @@ ARMS = {
     "unweighted": ("train.loss_weighting: none", {"train": {"loss_weighting": "none"}}),
     "rds_hier": ("hidden_mean + groups auto + within random",
                  {"sketch": {"method": "hidden_mean"}, "selection": {"groups": "auto", "within": "random"}}),
+    # The same rows unweighted: cluster weights that restore the pool's shares give the balanced subset the
+    # pool's gradient mix back in expectation, so balance can pay off on a macro mean only without them.
+    "rds_hier_unweighted": ("rds_hier + train.loss_weighting: none",
+                            {"sketch": {"method": "hidden_mean"}, "selection": {"groups": "auto", "within": "random"},
+                             "train": {"loss_weighting": "none"}}),
     # With --ours NAME, ``ours`` is a candidate default written as keys; this arm keeps the package's own.
     "defaults": ("the package's defaults at this commit", {}),
 }
 HEADLINE = ["ours", "random_subset", "random_tokens", "paper", "full"]
 ABLATIONS = ["defaults", "hidden_mean", "last_layer", "within_random", "within_peripheral", "max_tokens_128", "groups_auto",
-             "unweighted", "rds_hier"]
+             "unweighted", "rds_hier", "rds_hier_unweighted"]
 FRONTIER_BUDGETS = (0.2, 0.5)  # and --budget (0.31): ours and random_subset, natural, seed 0
 SELECTION_PASS = ("sketch", "cluster", "select", "allocate")
 QUICK = {"candidates": 30, "eval_rows": 6, "epochs": 2, "seeds": [0], "max_seq_len": 128}
@@ -180,9 +185,13 @@ def arm_config(arm: str, args, pool: str, seed: int, paths: list[str], eval_path
 # --------------------------------------------------------------------------- evaluation
 
 
-def make_evaluator(cache: dict, threads: int):
+def make_evaluator(cache: dict, threads: int, store: Path | None = None):
     """A memoising evaluator (:data:`ray_cluster_ft.evaluate.Evaluator`): the base model is scored on each file
-    once per process, not once per arm. Loss only (``max_mc`` = ``max_code`` = 0 pass no tasks)."""
+    once, not once per arm. Loss only (``max_mc`` = ``max_code`` = 0 pass no tasks). With ``store`` (a pickle
+    file) the base scores outlive the process, keyed also by the package's tree, so a resumed benchmark does not
+    score the base model again (100-300 s of a 2-core machine per invocation)."""
+    import pickle
+
     import ray
 
     from ray_cluster_ft.evaluate import evaluate_model_path
@@ -194,12 +203,20 @@ def make_evaluator(cache: dict, threads: int):
         def evaluate(model_path, table, tasks):
             # Only the base model is the same across arms; a trained model's path is reused by the next run.
             base = "/epochs/" not in str(model_path) and "final_model" not in str(model_path)
-            key = (str(model_path), tuple(table.column("example_id").to_pylist()))
+            key = (_package_tree(), str(model_path), tuple(table.column("example_id").to_pylist()))
+            if base and key not in cache and store is not None and store.exists():
+                cache.update(pickle.loads(store.read_bytes()))  # only base scores are ever written there
             if not base or key not in cache:
                 task = ray.remote(evaluate_model_path).options(
                     num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
                 cache[key] = ray.get(task.remote(model_path, table, 8, pad, cfg.model.trust_remote_code, threads,
                                                  tasks=tasks, with_samples=True))
+                if base and store is not None:
+                    kept = pickle.loads(store.read_bytes()) if store.exists() else {}
+                    kept[key] = cache[key]
+                    tmp = store.with_suffix(".tmp")
+                    tmp.write_bytes(pickle.dumps(kept))
+                    tmp.replace(store)
             return copy.deepcopy(cache[key])
 
         return evaluate
@@ -255,9 +272,12 @@ def _feature_key(cfg) -> str:
 def arm_key(cfg: dict) -> str:
     """What an arm's figures depend on: its job config and the package's tree (HEAD:ray_cluster_ft), so a
     commit that changes only the benchmark keeps finished arms."""
-    tree = subprocess.run(["git", "rev-parse", "HEAD:ray_cluster_ft"], cwd=REPO, capture_output=True,
+    return json.dumps({"config": cfg, "package_tree": _package_tree()}, sort_keys=True, default=str)
+
+
+def _package_tree() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD:ray_cluster_ft"], cwd=REPO, capture_output=True,
                           text=True).stdout.strip()
-    return json.dumps({"config": cfg, "package_tree": tree}, sort_keys=True, default=str)
 
 
 def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for, what: str = "") -> dict:
@@ -366,7 +386,7 @@ def run_all(args) -> dict:
     results: dict = {}
     cache: dict = {}
     init_ray(None, False)  # once for every arm (each run_pipeline then joins it)
-    evaluator_for = make_evaluator(cache, args.eval_threads)
+    evaluator_for = make_evaluator(cache, args.eval_threads, out / "base_eval.pkl")
     try:
         _run_schedule(args, out, pools, eval_paths, results, evaluator_for)
     finally:

@@ -151,3 +151,36 @@ def test_a_quick_run_scores_every_epoch_and_resumes(tiny_model_dir, tmp_path):
     assert again.returncode == 0 and "=====" not in again.stdout + again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["natural.ours.macro_loss"] == \
         pytest.approx(arms["ours"]["macro_loss"][0], abs=1e-4)
+
+
+def test_the_base_models_scores_outlive_the_process_and_trained_ones_do_not(e2e, tmp_path, monkeypatch):
+    """A resumed benchmark reads the base model's held-out scores from ``base_eval.pkl`` instead of scoring it
+    again; a trained model (an epoch or the final model) is scored every time."""
+    import types
+
+    import pyarrow as pa
+    import ray
+
+    import ray_cluster_ft.model
+
+    calls = []
+
+    def remote(fn):
+        def run(*a, **k):
+            calls.append(a[0])
+            return {"loss": float(len(calls))}
+        return types.SimpleNamespace(options=lambda **_: types.SimpleNamespace(remote=run))
+
+    monkeypatch.setattr(ray, "remote", remote)
+    monkeypatch.setattr(ray, "get", lambda x: x)
+    monkeypatch.setattr(ray_cluster_ft.model, "load_tokenizer", lambda *a: types.SimpleNamespace(pad_token_id=0))
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(path="m", trust_remote_code=False))
+    table = pa.table({"example_id": ["a", "b"]})
+    store = tmp_path / "base_eval.pkl"
+    first = e2e.make_evaluator({}, 1, store)(cfg)
+    assert first("/c/base", table, None) == {"loss": 1.0}
+    again = e2e.make_evaluator({}, 1, store)(cfg)  # a new process: an empty memo, the same store
+    assert again("/c/base", table, None) == {"loss": 1.0} and calls == ["/c/base"]
+    assert again("/c/base", pa.table({"example_id": ["a"]}), None) == {"loss": 2.0}  # other rows: scored
+    assert again("/r/epochs/1", table, None) == {"loss": 3.0}
+    assert again("/r/epochs/1", table, None) == {"loss": 4.0}  # trained models are never memoised
