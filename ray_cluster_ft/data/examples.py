@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from ..config import DataConfig
-from .formats import canonical_row, columns_hint
+from ..config import ConfigError, DataConfig
+from .formats import canonical_row, columns_hint, missing_sources
 from .read import Rejection, example_id, hash_order, iter_rows
 from .tokenize import tokenize_guarded, tokenize_rows
 
@@ -29,6 +29,7 @@ __all__ = [
     "split_held_out",
     "tokenize_rows",
     "load_examples",
+    "refuse_missing_sources",
 ]
 
 
@@ -171,8 +172,27 @@ def canonical_record(src: str, pos: int, row: Any, cfg: DataConfig) -> Canonical
     except ValueError as err:
         return Rejection(src, pos, str(err), row)
     source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
-    return Canonical(fmt, msgs, list(left), [columns_hint(fmt, name, row.get(name)) for name in left], source,
-                     domain)
+    hints = [columns_hint(fmt, name, row.get(name), cfg.columns) for name in left]
+    return Canonical(fmt, msgs, list(left), hints, source, domain)
+
+
+def refuse_missing_sources(src: str, columns: dict, fields, n_rows: int, canonical: bool) -> None:
+    """Raise when a ``data.columns`` source field is in none of the ``n_rows`` rows read from ``src``
+    (``fields``: their field names, in order of first appearance): a misspelt name would otherwise leave its
+    target empty in every row, unnoticed or as "field 'prompt' is null". A file with none of the sources whose
+    rows were read in a format of their own (``canonical``: some row was) is left alone: the mapping is for the
+    other files (an evaluation file of chats beside mapped training files).
+
+    Raises:
+        ConfigError: naming the file, each target and missing source, and the fields the rows have.
+    """
+    missing = missing_sources(columns, fields) if fields else []
+    if not missing or canonical and len(missing) == len(missing_sources(columns, ())):
+        return
+    maps = " and ".join(f"{t} from {s!r}" for t, s in missing)
+    raise ConfigError(f"data file {src}: data.columns maps {maps}, but none of the {n_rows} rows read has "
+                      f"{'that field' if len(missing) == 1 else 'those fields'} (their fields: {', '.join(fields)}); "
+                      f"see docs/data.md for data.columns")
 
 
 def split_held_out(table: pa.Table, cfg: DataConfig) -> tuple[pa.Table, pa.Table]:
@@ -199,8 +219,9 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
     Raises:
         FileNotFoundError: a data file is missing (checked before any row is read).
         ConfigError: a data file has an unsupported type or is not readable as a whole (see
-            :func:`iter_file_rows`); ``data.default_system_prompt`` does not fit the template. Bad rows never
-            raise: they are rejected.
+            :func:`iter_file_rows`); ``data.default_system_prompt`` does not fit the template; a ``data.columns``
+            source field is in no row of a file (:func:`refuse_missing_sources`). Bad rows never raise: they are
+            rejected.
     """
     acc = _Accepted(cfg, tokenizer)
     n_read = 0
@@ -208,9 +229,12 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
     formats: dict[str, dict[str, int]] = {}
     unused: dict[str, dict[str, int]] = {}
     hints: dict[str, dict[str, str]] = {}
+    fields: dict[str, dict[str, None]] = {}  # per file, the rows' field names (an ordered set), for data.columns
     for src, pos, row in iter_rows(cfg):
         n_read += 1
         sources[src] = sources.get(src, 0) + 1
+        if cfg.columns and isinstance(row, dict):
+            fields.setdefault(src, {}).update(dict.fromkeys(row))
         rec = canonical_record(src, pos, row, cfg)
         if isinstance(rec, Rejection):
             acc.rejected.append(rec)
@@ -224,6 +248,8 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         if len(acc.pending) >= tokenize_chunk:
             acc.flush()
     acc.flush()
+    for src, n in sources.items() if cfg.columns else ():
+        refuse_missing_sources(src, cfg.columns, fields.get(src, {}), n, src in formats)
     # Duplicates are found when their tokenizer chunk finishes: put every rejection back in input order.
     order = {src: i for i, src in enumerate(sources)}
     acc.rejected.sort(key=lambda r: (order.get(r.source, len(order)), r.position))

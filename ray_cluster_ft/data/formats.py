@@ -40,6 +40,7 @@ __all__ = [
     "columns_hint",
     "detect_format",
     "is_blank",
+    "missing_sources",
     "row_messages",
     "unused_text_fields",
 ]
@@ -340,6 +341,13 @@ def apply_columns(row: Any, columns: Mapping[str, str | Sequence[str]]) -> tuple
     return out, sources
 
 
+def missing_sources(columns: Mapping[str, str | Sequence[str]], fields) -> list[tuple[str, str]]:
+    """The ``(target, source)`` pairs of ``data.columns`` whose source field is not among ``fields``, in the
+    mapping's order."""
+    return [(t, n) for t, src in columns.items() for n in ([src] if isinstance(src, str) else src)
+            if n not in fields]
+
+
 def canonical_row(row: Any, fmt: str = "auto", columns: Mapping[str, Any] | None = None
                   ) -> tuple[str, list[dict], list[str]]:
     """:func:`apply_columns`, then :func:`row_messages`; then the row's unused text fields
@@ -356,6 +364,10 @@ def canonical_row(row: Any, fmt: str = "auto", columns: Mapping[str, Any] | None
         fmt, msgs, used = row_messages(mapped, fmt)
     except ValueError as err:
         msg = str(err)
+        if msg == _MISSING and isinstance(row, dict):
+            # No format fits: the row's own field names (a null one says so) beside the ones a format needs.
+            names = ", ".join(k + (" (null)" if v is None else "") for k, v in row.items()) or "none"
+            raise ValueError(f"{msg} (the row's fields: {names}; see docs/data.md)") from None
         if msg.startswith("missing field '") and isinstance(mapped, dict):
             # Name what the row does have, so the fix (a data.columns line) is one look away.
             others = [k for k in mapped if k not in _META and k not in _FIELDS and _texts(mapped[k])]
@@ -403,13 +415,21 @@ def unused_text_fields(row: dict, used: set[str], trained_text: str) -> list[str
     return out
 
 
-def columns_hint(fmt: str, field: str, value: Any = "") -> str:
+def columns_hint(fmt: str, field: str, value: Any = "", columns: Mapping[str, Any] | None = None) -> str:
     """The ``data.columns`` line that would train an unused ``field`` of a ``fmt`` row, for the warning; for a
-    field that is not a string (``data.columns`` joins strings only), what to do instead."""
+    field that is not a string (``data.columns`` joins strings only), what to do instead.
+
+    ``columns`` (the ``data.columns`` in force) is kept in the line, the field appended to its target's sources
+    (the documented join of a list of fields): a line that named only the target and the field would drop
+    what the user had mapped onto it (``{prompt: [prompt, context]}`` for rows whose ``prompt`` comes from
+    ``question``)."""
     if not isinstance(value, str) and fmt not in ("sharegpt", "messages"):
         return f"{field!r} is a {type(value).__name__}, not text: write it into a text field of the rows first"
     target = {"alpaca": "instruction", "prompt_completion": "prompt", "question_answer": "question",
               "sharegpt": None, "messages": None}.get(fmt, "prompt")
     if target is None:
         return f"(a {fmt} row: put {field!r} into its messages)"
-    return f"data.columns: {{{target}: [{target}, {field}]}}"
+    cols = {t: [s] if isinstance(s, str) else list(s) for t, s in (columns or {}).items()}
+    cols[target] = cols.get(target, [target]) + [field]
+    return "data.columns: {" + ", ".join(
+        f"{t}: {s[0] if len(s) == 1 else '[' + ', '.join(s) + ']'}" for t, s in cols.items()) + "}"

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..config import ConfigError, DataConfig
-from .examples import EXAMPLE_SCHEMA, DataResult, canonical_record, split_held_out
+from .examples import EXAMPLE_SCHEMA, DataResult, canonical_record, refuse_missing_sources, split_held_out
 from .read import Rejection, count_rows, example_id, expand_paths, iter_chunk_rows, iter_file_rows, jsonl_chunks
 from .tokenize import tokenize_guarded
 
@@ -36,13 +36,13 @@ _ERROR = "\x00"  # a status starting so is a file-level error, not a row's rejec
 _READ_SCHEMA = pa.schema([
     ("key", pa.int64()), ("status", pa.string()), ("fmt", pa.string()), ("messages", pa.string()),
     ("unused", pa.list_(pa.string())), ("hints", pa.list_(pa.string())), ("source", pa.string()),
-    ("domain", pa.string()), ("row", pa.binary()),
+    ("domain", pa.string()), ("row", pa.binary()), ("fields", pa.list_(pa.string())),
 ])
 _TOKEN_SCHEMA = pa.schema([
     ("key", pa.int64()), ("status", pa.string()), ("fmt", pa.string()), ("unused", pa.list_(pa.string())),
     ("hints", pa.list_(pa.string())), ("source", pa.string()), ("domain", pa.string()), ("row", pa.binary()),
     ("example_id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
-    ("truncated", pa.bool_()),
+    ("truncated", pa.bool_()), ("fields", pa.list_(pa.string())),
 ])
 
 
@@ -102,13 +102,16 @@ def _read_piece(batch: pa.Table, files: list[str], cfg: DataConfig) -> pa.Table:
         f = files[piece["file"]]
         rows = (iter_chunk_rows(f, piece["start"], piece["end"], piece["line"]) if piece["start"] >= 0
                 else iter_file_rows(f, cfg.limit))
-        last = 0
+        last, first = 0, len(cols["key"])
+        fields: dict[str, None] = {}  # the piece's field names, on its first row: data.columns is checked per file
         for src, pos, row in _rows_or_error(rows):
             if isinstance(row, Exception):
                 for k in _READ_SCHEMA.names:
                     cols[k].append({"key": piece["file"] << _POS_BITS | last, "status": _error_status(row),
-                                    "unused": [], "hints": []}.get(k))
+                                    "unused": [], "hints": [], "fields": []}.get(k))
                 break
+            if cfg.columns and isinstance(row, dict):
+                fields.update(dict.fromkeys(row))
             last = pos + 1
             rec = canonical_record(src, pos, row, cfg)
             ok = not isinstance(rec, Rejection)
@@ -117,8 +120,10 @@ def _read_piece(batch: pa.Table, files: list[str], cfg: DataConfig) -> pa.Table:
                          ("messages", json.dumps(rec.messages, ensure_ascii=False) if ok else None),
                          ("unused", rec.unused if ok else []), ("hints", rec.hints if ok else []),
                          ("source", rec.source if ok else None), ("domain", rec.domain if ok else None),
-                         ("row", pickle.dumps(row.row if isinstance(row, Rejection) else row))):
+                         ("row", pickle.dumps(row.row if isinstance(row, Rejection) else row)), ("fields", [])):
                 cols[k].append(v)
+        if fields:
+            cols["fields"][first] = list(fields)
     return pa.table(cols, schema=_READ_SCHEMA)
 
 
@@ -274,6 +279,13 @@ def _assemble(cfg: DataConfig, files: list[str], t: pa.Table, dups: pa.Table) ->
                                           pc.list_flatten(t["hints"])):
         unused.setdefault(files[i], {})[name] = n
         hints.setdefault(files[i], {})[name] = hint
+    if cfg.columns:
+        fields: dict[str, dict[str, None]] = {}
+        for i, name in zip(pc.take(fidx, pc.list_parent_indices(t["fields"])).to_pylist(),
+                           pc.list_flatten(t["fields"]).to_pylist()):
+            fields.setdefault(files[i], {})[name] = None
+        for src, n in sources.items():
+            refuse_missing_sources(src, cfg.columns, fields.get(src, {}), n, src in formats)
     return DataResult(train=train, eval=held, rejected=rejected, n_read=t.num_rows,
                       truncated=int(pc.sum(pc.cast(pc.filter(t["truncated"], ok), pa.int64())).as_py() or 0),
                       sources=sources,

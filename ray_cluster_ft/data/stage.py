@@ -113,8 +113,8 @@ def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None)
     files = {src: _sampled(sample, src, counts.get(src)) for src in sample.sources}
     for src, f in files.items():
         if f["rejected"] == f["sampled"]:
-            raise ConfigError(f"data file {src}: none of its first {f['sampled']} rows is accepted (rejected: "
-                              f"{f['reasons']}); see docs/data.md for the formats and data.columns")
+            first = next(r.reason for r in sample.rejected if r.source == src)
+            raise _refused(src, f["sampled"], f["reasons"], first)
     eval_files = {src: _sampled(res, src, counts.get(src)) for res in evals.values() for src in res.sources}
     for label, per in (("", files), ("evaluation file ", eval_files)):
         for src, f in per.items():
@@ -145,24 +145,39 @@ def _sampled(sample: DataResult, src: str, rows: int | None) -> dict:
 
 def _refuse_unreadable(path: str, d, limit: int) -> None:
     """Raise ``ConfigError`` when none of the first ``limit`` rows of ``path`` is in a format of ``d``
-    (``data.format``, ``data.columns``), naming the reasons by category; no tokenizer needed."""
+    (``data.format``, ``data.columns``), naming the reasons by category and the first in full (a refused format's
+    names the row's fields), or when a ``data.columns`` source field is in none of them
+    (:func:`.examples.refuse_missing_sources`); no tokenizer needed."""
+    from .examples import refuse_missing_sources
     from .formats import canonical_row
     from .read import Rejection, iter_file_rows
 
     reasons: dict[str, int] = {}
-    n = 0
+    fields: dict[str, None] = {}
+    n, accepted, first = 0, False, ""
     for _src, _pos, row in iter_file_rows(path, limit):
         n += 1
+        if isinstance(row, dict):
+            fields.update(dict.fromkeys(row))
         try:
             if isinstance(row, Rejection):
                 raise ValueError(row.reason)
             canonical_row(row, d.format, d.columns)
-            return
+            accepted = True
         except ValueError as err:
+            first = first or str(err)
             reasons[reason_category(str(err))] = reasons.get(reason_category(str(err)), 0) + 1
-    if n:
-        raise ConfigError(f"data file {path}: none of its first {n} rows is accepted (rejected: {reasons}); "
-                          f"see docs/data.md for the formats and data.columns")
+    refuse_missing_sources(path, d.columns, fields, n, accepted)
+    if n and not accepted:
+        raise _refused(path, n, reasons, first)
+
+
+def _refused(path: str, n: int, reasons: dict, first: str) -> ConfigError:
+    """The error for a file none of whose first ``n`` rows is accepted: the reasons by category, the first row's
+    in full (its fields, for a refused format), and where the formats are described."""
+    docs = "" if "docs/data.md" in first else "; see docs/data.md for the formats and data.columns"
+    return ConfigError(f"data file {path}: none of its first {n} rows is accepted (rejected: {reasons}; the "
+                       f"first: {first}){docs}")
 
 
 def _tokenizer(cfg: JobConfig) -> tuple[str, Any]:

@@ -181,7 +181,8 @@ def test_parquet_chat_messages_column(tmp_path, demo_tokenizer):
     assert [(r.position, r.reason) for r in res.rejected] == [
         (1, "messages[1].role is 'bot', expected system/user/assistant/tool"),
         (2, "missing field: need 'messages', 'conversations' (sharegpt), 'instruction'+'output' (alpaca), "
-     "'prompt'+'completion', 'prompt'+'response' or 'question'+'answer'; map other fields with data.columns")]
+     "'prompt'+'completion', 'prompt'+'response' or 'question'+'answer'; map other fields with data.columns "
+     "(the row's fields: messages (null); see docs/data.md)")]
 
 
 def test_unreadable_files_raise_naming_the_file(tmp_path, demo_tokenizer):

@@ -41,9 +41,17 @@ def test_check_reads_every_format_and_shows_what_is_trained(tmp_path, tiny_model
     ("missing file", {"paths": ["{tmp}/nope.jsonl"]}, "data file not found: {tmp}/nope.jsonl"),
     ("empty glob", {"paths": ["{tmp}/shards/*.jsonl"]}, "data.paths: the glob {tmp}/shards/*.jsonl matches no file"),
     ("refused format", {"paths": ["{tmp}/text.jsonl"]},
-     "data file {tmp}/text.jsonl: none of its first 2 rows is accepted (rejected: {{'missing field': 2}})"),
+     "data file {tmp}/text.jsonl: none of its first 2 rows is accepted (rejected: {{'missing field': 2}}; the "
+     "first: missing field: need 'messages', 'conversations' (sharegpt), 'instruction'+'output' (alpaca), "
+     "'prompt'+'completion', 'prompt'+'response' or 'question'+'answer'; map other fields with data.columns (the "
+     "row's fields: text; see docs/data.md))\n"),
     ("forced format", {"paths": ["{tmp}/pr.jsonl"], "format": "alpaca"},
-     "data file {tmp}/pr.jsonl: none of its first 1 rows is accepted (rejected: {{\"missing field 'instruction'\": 1}})"),
+     "data file {tmp}/pr.jsonl: none of its first 1 rows is accepted (rejected: "
+     "{{\"missing field 'instruction'\": 1}}; the first: missing field 'instruction'); see docs/data.md for the "
+     "formats and data.columns\n"),
+    ("columns source in no row", {"paths": ["{tmp}/pr.jsonl"], "columns": {"prompt": ["prompt", "inptu"]}},
+     "data file {tmp}/pr.jsonl: data.columns maps prompt from 'inptu', but none of the 1 rows read has that field "
+     "(their fields: prompt, response, input); see docs/data.md for data.columns\n"),
     ("unused field refused", {"paths": ["{tmp}/pr.jsonl"], "unused_fields": "error"},
      "{tmp}/pr.jsonl: field 'input' is not used by the row format in 1 row; to train on it: data.columns: "
      "{{prompt: [prompt, input]}}"),
@@ -57,6 +65,18 @@ def test_check_fails_fast_on_data_run_would_refuse(tmp_path, tiny_model_dir, cap
     assert main(["check", str(spec)]) == 2
     assert time.perf_counter() - start < 10
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_run_refuses_a_columns_source_no_row_has_before_ray(tmp_path, tiny_model_dir, capsys):
+    import ray
+
+    (tmp_path / "qa.jsonl").write_text('{"question": "Why?", "context": "Because.", "answer": "So."}\n')
+    spec = _spec(tmp_path, tiny_model_dir, [tmp_path / "qa.jsonl"],
+                 columns={"prompt": "question", "response": "answr"})
+    assert main(["run", str(spec)]) == 2
+    assert (f"data file {tmp_path / 'qa.jsonl'}: data.columns maps response from 'answr', but none of the 1 rows "
+            "read has that field (their fields: question, context, answer)") in capsys.readouterr().err
+    assert not ray.is_initialized() and not (tmp_path / "run" / "examples.parquet").exists()
 
 
 def test_run_with_unused_fields_error_stops_before_ray(tmp_path, tiny_model_dir, capsys):

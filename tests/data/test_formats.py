@@ -135,6 +135,63 @@ def test_unused_text_fields_are_named_unless_already_trained():
         "'tests' is a list, not text: write it into a text field of the rows first")
 
 
+def test_unused_field_hint_keeps_what_data_columns_already_maps(tmp_path, demo_tokenizer):
+    """A hint that named only ``{prompt: [prompt, context]}`` would, if followed, drop ``question`` (the file has no
+    ``prompt``): the hint is the whole mapping with the field joined onto its target."""
+    from ray_cluster_ft.data.formats import columns_hint
+
+    p = tmp_path / "qa.jsonl"
+    p.write_text(json.dumps({"question": "Why is the sky blue?", "context": "Light scatters off the air.",
+                             "answer": "Scattering."}) + "\n")
+    cols = {"prompt": "question", "response": "answer"}
+    res = load_examples(DataConfig(paths=[str(p)], eval_fraction=0.0, columns=cols), demo_tokenizer)
+    hint = res.hints[str(p)]["context"]
+    assert (res.unused, hint) == ({str(p): {"context": 1}},
+                                  "data.columns: {prompt: [question, context], response: answer}")
+    following = {"prompt": ["question", "context"], "response": "answer"}  # the hint, as YAML reads it
+    fmt, unused, full, _trained = _decode(demo_tokenizer, json.loads(p.read_text()), columns=following)
+    assert (fmt, unused, full) == ("prompt_response", [], SYS + _u("Why is the sky blue?\n\nLight scatters off "
+                                                                   "the air.") + _a("Scattering."))
+    # a target the mapping does not name is added beside it; a listed target gets the field appended
+    assert columns_hint("prompt_response", "input", "x", {"response": "out"}) == (
+        "data.columns: {response: out, prompt: [prompt, input]}")
+    assert columns_hint("alpaca", "notes", "x", {"instruction": ["task", "details"]}) == (
+        "data.columns: {instruction: [task, details, notes]}")
+
+
+def test_a_columns_source_no_row_has_stops_the_data_stage(tmp_path, demo_tokenizer):
+    p = tmp_path / "qa.jsonl"
+    p.write_text(json.dumps({"question": "Q?", "context": "C.", "long_answer": "A."}) + "\n"
+                 + json.dumps({"question": "Q2?", "long_answer": "A2.", "id": "r2"}) + "\n")
+
+    def load(cols, *more):
+        return load_examples(DataConfig(paths=[str(p), *map(str, more)], eval_fraction=0.0, columns=cols),
+                             demo_tokenizer)
+
+    with pytest.raises(ConfigError) as err:
+        load({"prompt": ["question", "contxt"], "response": "long_answer"})
+    assert str(err.value) == (f"data file {p}: data.columns maps prompt from 'contxt', but none of the 2 rows read "
+                              "has that field (their fields: question, context, long_answer, id); see docs/data.md "
+                              "for data.columns")
+    with pytest.raises(ConfigError, match=r"maps prompt from 'questoin' and response from 'long_answr', but none "
+                                          r"of the 2 rows read has those fields"):
+        load({"prompt": "questoin", "response": "long_answr"})
+    # a file with none of the sources, read in its own format, is not what the mapping is for
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps(CASES[0][1]) + "\n")
+    res = load({"prompt": ["question", "context"], "response": "long_answer"}, chats)
+    assert res.formats == {str(p): {"prompt_response": 2}, str(chats): {"messages": 1}}
+
+
+def test_a_row_in_no_known_format_names_its_fields():
+    with pytest.raises(ValueError) as err:
+        canonical_row({"text": "a b c", "meta": None})
+    assert str(err.value) == (
+        "missing field: need 'messages', 'conversations' (sharegpt), 'instruction'+'output' (alpaca), "
+        "'prompt'+'completion', 'prompt'+'response' or 'question'+'answer'; map other fields with data.columns "
+        "(the row's fields: text, meta (null); see docs/data.md)")
+
+
 @pytest.mark.parametrize("row, reason", [
     ({"conversations": [{"from": "robot", "value": "x"}]}, "conversations[0].from is 'robot'"),
     ({"conversations": [{"from": "human", "value": "x"}]}, "the last message is not the assistant's response"),

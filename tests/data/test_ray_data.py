@@ -106,6 +106,25 @@ def test_ray_data_path_raises_the_single_process_errors(ray_cpu, tmp_path, demo_
         load_examples_ray(cfg, demo_tokenizer)
 
 
+def test_ray_data_path_checks_data_columns_per_file(ray_cpu, tmp_path, demo_tokenizer):
+    """A ``data.columns`` source field is looked for in every piece of a file: one that only the last piece has is
+    found, one that no piece has is refused with the single-process message."""
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"question": f"Q{i}?", "answer": f"A{i}."}) + "\n" for i in range(40))
+                  + json.dumps({"question": "Q?", "context": "Only here.", "answer": "A."}) + "\n")
+    cfg = DataConfig(paths=[str(qa)], eval_fraction=0.0,
+                     columns={"prompt": ["question", "context"], "response": "answer"})
+    _same(load_examples(cfg, demo_tokenizer), load_examples_ray(cfg, demo_tokenizer, chunk_bytes=256))
+    bad = cfg.model_copy(update={"columns": {"prompt": ["question", "contxt"], "response": "answer"}})
+    with pytest.raises(ConfigError) as single:
+        load_examples(bad, demo_tokenizer)
+    with pytest.raises(ConfigError) as on_ray:
+        load_examples_ray(bad, demo_tokenizer, chunk_bytes=256)
+    assert str(on_ray.value) == str(single.value) == (
+        f"data file {qa}: data.columns maps prompt from 'contxt', but none of the 41 rows read has that field (their "
+        "fields: question, answer, context); see docs/data.md for data.columns")
+
+
 def test_the_stage_switches_to_ray_data_at_data_ray_data_rows(ray_cpu, pool, tmp_path, tiny_model_dir, capsys):
     from ray_cluster_ft.data.stage import run
     from ray_cluster_ft.rundir import prepare_run_dir
