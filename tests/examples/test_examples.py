@@ -191,6 +191,24 @@ def test_ray_train_example_trains(sel, tiny_model_dir, tmp_path):
     assert f"trained {steps} steps on 2 workers" in proc.stdout
 
 
+def test_docs_plain_trl_example_runs_as_written_offline(sel, tiny_model_dir, tmp_path):
+    """docs/library.md's plain-TRL block (only its paths line pointed at the select folder and the tiny model), with
+    the hub offline: TRL's own sampler trains every planned row, two epochs of SFTConfig's default 8 rows a step."""
+    pytest.importorskip("trl")
+    from tests.integrations._helpers import readme_example
+
+    script = tmp_path / "train_sft.py"
+    script.write_text(readme_example("trl-plain", sel, tiny_model_dir))
+    proc = subprocess.run([sys.executable, str(CAPTURE), str(tmp_path), str(script)], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    cap = torch.load(tmp_path / "capture_rank0.pt", weights_only=False)
+    planned = sorted(pd.read_parquet(sel / "plan.parquet")["example_id"].unique())
+    assert sorted(cap["tokens"]["example_id"]) == planned
+    assert cap["global_step"] == 2 * -(-len(planned) // 8)
+    assert 0 < cap["train_loss"] < 20
+
+
 @pytest.mark.slow
 def test_docs_trl_example_runs_as_written_on_cpu(sel, tiny_model_dir, tmp_path):
     """docs/library.md's TRL block, only its paths line pointed at the select folder and the tiny model, under
