@@ -34,6 +34,7 @@ def train_loop(cfg):
     collate = TokenCollator(pad_token_id=0, packed=cfg["packed"])
     # The rows come in plan order; consecutive rows of one (epoch, step, micro_index) are one micro-batch (a pack).
     rows = rank_shard().iter_rows()
+    metrics, step_loss = None, 0.0
     for i, (_, group) in enumerate(itertools.groupby(rows, key=lambda r: tuple(int(r[k]) for k in MICRO_BATCH))):
         mb = list(group)
         batch = collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in mb])
@@ -44,10 +45,17 @@ def train_loop(cfg):
         logits = model(**inputs, use_cache=False).logits
         loss = token_exact_loss(logits, batch["labels"].to(device), w.to(device)) * world / mb[0]["step_weighted_tokens"]
         loss.backward()  # DDP averages over the ranks; the G micro-batches of a step add up
+        step_loss += float(loss.detach()) / world  # this rank's share of the step's token-exact loss
         if (i + 1) % cfg["G"] == 0:
             opt.step()
             opt.zero_grad()
-        ray.train.report({"step": int(mb[0]["step"]), "loss": float(loss.detach()) / world})
+            total = torch.tensor(step_loss, device=device)
+            torch.distributed.all_reduce(total)  # the ranks' shares add up to the step's loss
+            metrics, step_loss = {"step": int(mb[0]["step"]), "loss": float(total)}, 0.0
+            ray.train.report(metrics)
+    # Ray Train 2's Result.metrics holds only metrics reported with a checkpoint; rank 0's return value reaches
+    # Result.return_value.
+    return metrics
 
 
 def main():
@@ -71,7 +79,8 @@ def main():
         dataset_config=plan_data_config(),
     )
     result = trainer.fit()
-    print(f"trained {shape.steps} steps on {shape.world_size} workers; last metrics {result.metrics}")
+    m = result.return_value
+    print(f"trained {shape.steps} steps on {shape.world_size} workers; last step {m['step']}, loss {m['loss']:.4f}")
 
 
 if __name__ == "__main__":

@@ -55,4 +55,11 @@ for i, (batch, mw) in enumerate(zip(loader, plan_loss_weights(plan, examples, ra
         opt.zero_grad()
 Path(a.output).mkdir(parents=True, exist_ok=True)
 Path(a.output, f"trained_rank{rank}.json").write_text(json.dumps(log))
+last = log[-1]["step"]
+totals = torch.tensor([sum(len(m["example_id"]) for m in log), sum(m["loss"] for m in log if m["step"] == last)],
+                      dtype=torch.float64, device=device)
+dist.all_reduce(totals)  # the ranks' rows, and their shares of the last step's loss, add up
+if rank == 0:
+    print(f"trained {len({m['step'] for m in log})} steps, {int(totals[0])} rows on {world} ranks; "
+          f"final loss {float(totals[1]):.4f}")
 dist.destroy_process_group()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,14 +55,15 @@ def _env() -> dict:
             "HF_DATASETS_OFFLINE": "1"}
 
 
-def _torchrun(script: str, run_dir: Path, model: Path | None, cwd: Path) -> list[dict]:
-    """``model`` None: the script's default, the model the run's manifest.json names."""
+def _torchrun(script: str, run_dir: Path, model: Path | None, cwd: Path) -> tuple[list[dict], str]:
+    """Each rank's capture and the run's stdout. ``model`` None: the script's default, the model the run's
+    manifest.json names."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(CAPTURE), str(cwd), str(EXAMPLES / script), str(run_dir)]
     cmd += ["--model", str(model)] if model is not None else []
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [torch.load(cwd / f"capture_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [torch.load(cwd / f"capture_rank{r}.pt", weights_only=False) for r in (0, 1)], proc.stdout
 
 
 def _micro_batches(plan: pd.DataFrame, rank: int) -> list[list[str]]:
@@ -126,7 +128,7 @@ def test_select_folder_is_packed_and_weighted(sel):
 
 
 def test_hf_trainer_example_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path):
-    caps = _torchrun("hf_trainer.py", sel, tiny_model_dir, tmp_path)
+    caps, _ = _torchrun("hf_trainer.py", sel, tiny_model_dir, tmp_path)
     plan = pd.read_parquet(sel / "plan.parquet")
     assert all(c["log"][0]["loss"] == caps[0]["log"][0]["loss"] for c in caps)
     losses = {int(h["step"]) - 1: h["loss"] for h in caps[0]["log"]}  # Trainer logs step k+1 after step k
@@ -138,7 +140,7 @@ def test_hf_trainer_example_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path
 
 def test_trl_example_replans_on_trls_tokens_and_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path):
     pytest.importorskip("trl")
-    caps = _torchrun("trl_sft.py", sel, tiny_model_dir, tmp_path)
+    caps, _ = _torchrun("trl_sft.py", sel, tiny_model_dir, tmp_path)
     plan, tok = caps[0]["plan"], caps[0]["tokens"]
     tokens = {e: (list(x), list(y)) for e, x, y in zip(tok["example_id"], tok["input_ids"], tok["labels"])}
     # the plan trained is the selection's rows, balanced on TRL's own token counts
@@ -151,7 +153,7 @@ def test_trl_example_replans_on_trls_tokens_and_trains_each_ranks_plan(sel, tiny
 
 def test_torch_ddp_example_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path):
     assert json.loads((sel / "manifest.json").read_text())["models"]["model.path"] == str(tiny_model_dir)
-    caps = _torchrun("torch_ddp.py", sel, None, tmp_path)  # the run's own model, from its manifest
+    caps, out = _torchrun("torch_ddp.py", sel, None, tmp_path)  # the run's own model, from its manifest
     plan = pd.read_parquet(sel / "plan.parquet")
     losses: dict[int, float] = {}
     for r in (0, 1):
@@ -160,6 +162,13 @@ def test_torch_ddp_example_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path)
         for m in log:
             losses[m["step"]] = losses.get(m["step"], 0.0) + m["loss"]
     _check_trained_the_plan(caps, plan, _run_tokens(sel), _weights(sel), losses)
+    # rank 0 alone says what ran: every planned row, and the last step's loss (checked above against the reference)
+    lines = [line for line in out.splitlines() if line.startswith("trained ")]
+    assert len(lines) == 1, out[-3000:]
+    want = rf"trained {plan['step'].nunique()} steps, {len(plan)} rows on 2 ranks; final loss (\d+\.\d{{4}})"
+    m = re.fullmatch(want, lines[0])
+    assert m, lines[0]
+    assert float(m[1]) == pytest.approx(losses[max(losses)], abs=1e-4)
 
 
 def test_library_example_runs_from_a_fresh_directory(tiny_model_dir, tmp_path):
@@ -187,8 +196,31 @@ def test_ray_train_example_trains(sel, tiny_model_dir, tmp_path):
     finally:
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    steps = pd.read_parquet(sel / "plan.parquet")["step"].nunique()
-    assert f"trained {steps} steps on 2 workers" in proc.stdout
+    plan = pd.read_parquet(sel / "plan.parquet")
+    # Result.metrics is None without a checkpoint in Ray Train 2: the line must carry the loop's own last metrics
+    m = re.search(rf"^trained {plan['step'].nunique()} steps on 2 workers; last step (\d+), loss (\d+\.\d{{4}})$",
+                  proc.stdout, re.M)
+    assert m, proc.stdout[-3000:]
+    assert int(m[1]) == plan["step"].max()
+    assert 0 < float(m[2]) < 20  # a next-token cross-entropy in nats (the tiny model: about ln 49152)
+
+
+def test_docs_plain_trl_example_runs_as_written_offline(sel, tiny_model_dir, tmp_path):
+    """docs/library.md's plain-TRL block (only its paths line pointed at the select folder and the tiny model), with
+    the hub offline: TRL's own sampler trains every planned row, two epochs of SFTConfig's default 8 rows a step."""
+    pytest.importorskip("trl")
+    from tests.integrations._helpers import readme_example
+
+    script = tmp_path / "train_sft.py"
+    script.write_text(readme_example("trl-plain", sel, tiny_model_dir))
+    proc = subprocess.run([sys.executable, str(CAPTURE), str(tmp_path), str(script)], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    cap = torch.load(tmp_path / "capture_rank0.pt", weights_only=False)
+    planned = sorted(pd.read_parquet(sel / "plan.parquet")["example_id"].unique())
+    assert sorted(cap["tokens"]["example_id"]) == planned
+    assert cap["global_step"] == 2 * -(-len(planned) // 8)
+    assert 0 < cap["train_loss"] < 20
 
 
 @pytest.mark.slow
