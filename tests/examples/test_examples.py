@@ -205,6 +205,7 @@ def test_ray_train_example_trains(sel, tiny_model_dir, tmp_path):
     assert 0 < float(m[2]) < 20  # a next-token cross-entropy in nats (the tiny model: about ln 49152)
 
 
+@pytest.mark.slow  # ~35 CPU s: one TRL run beside the plan-driven ones above
 def test_docs_plain_trl_example_runs_as_written_offline(sel, tiny_model_dir, tmp_path):
     """docs/library.md's plain-TRL block (only its paths line pointed at the select folder and the tiny model), with
     the hub offline: TRL's own sampler trains every planned row, two epochs of SFTConfig's default 8 rows a step."""
