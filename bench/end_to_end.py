@@ -87,12 +87,17 @@ ARMS = {
     "rds_hier_unweighted": ("rds_hier + train.loss_weighting: none",
                             {"sketch": {"method": "hidden_mean"}, "selection": {"groups": "auto", "within": "random"},
                              "train": {"loss_weighting": "none"}}),
+    # The same grouping on all-MiniLM-L6-v2 sentence embeddings: a 22M encoder, so the selection pass costs a
+    # fraction of hidden_mean's (Yin & Rush: a selector much smaller than the trained model).
+    "emb_hier_unweighted": ("embedding + groups auto + within random, unweighted",
+                            {"sketch": {"method": "embedding"}, "selection": {"groups": "auto", "within": "random"},
+                             "train": {"loss_weighting": "none"}}),
     # With --ours NAME, ``ours`` is a candidate default written as keys; this arm keeps the package's own.
     "defaults": ("the package's defaults at this commit", {}),
 }
 HEADLINE = ["ours", "random_subset", "random_tokens", "paper", "full"]
 ABLATIONS = ["defaults", "hidden_mean", "last_layer", "within_random", "within_peripheral", "max_tokens_128", "groups_auto",
-             "unweighted", "rds_hier", "rds_hier_unweighted"]
+             "unweighted", "rds_hier", "rds_hier_unweighted", "emb_hier_unweighted"]
 FRONTIER_BUDGETS = (0.2, 0.5)  # and --budget (0.31): ours and random_subset, natural, seed 0
 SELECTION_PASS = ("sketch", "cluster", "select", "allocate")
 QUICK = {"candidates": 30, "eval_rows": 6, "epochs": 2, "seeds": [0], "max_seq_len": 128}
@@ -161,12 +166,13 @@ def arm_config(arm: str, args, pool: str, seed: int, paths: list[str], eval_path
                  "eval_fraction": 0.0, "seed": 0},
         "model": {"path": args.model},
         # sketch.seed fixed: features do not depend on the run seed, so the arms of a pool share one store.
-        "sketch": {"seed": 0, "batch_size": 8, "store": str(Path(args.out) / pool / "features")},
+        "sketch": {"seed": 0, "batch_size": 8, "store": str(Path(args.out) / pool / "features"),
+                   "dtype": "bfloat16" if args.precision == "bf16" else "float32"},
         "clustering": {"seed": seed},
         "selection": {"seed": seed, "budget": args.budget},
         "allocation": {"seed": seed},
         "train": {"num_workers": args.workers, "micro_batch_size": args.micro_batch, "epochs": args.epochs,
-                  "lr": args.lr, "warmup_steps": 2, "seed": seed},
+                  "lr": args.lr, "warmup_steps": 2, "seed": seed, "precision": args.precision},
         "evaluation": {"paths": list(eval_paths), "every_epoch": True, "max_mc": 0, "max_code": 0},
         "output": {"dir": str(run_dir), "save_model": True},
     }
@@ -394,8 +400,20 @@ def run_all(args) -> dict:
     return write_results(args, results)
 
 
+def wait_while_paused(out: Path, poll_s: float = 30.0) -> None:
+    """Hold the schedule between arms while ``OUT/PAUSE`` exists, so a timed measurement elsewhere can have the
+    machine without slowing (or being slowed by) an arm; the arm in progress finishes first."""
+    said = False
+    while (out / "PAUSE").exists():
+        if not said:
+            print(f"[bench] paused: {out / 'PAUSE'} exists", flush=True)
+            said = True
+        time.sleep(poll_s)
+
+
 def _run_schedule(args, out: Path, pools: dict, eval_paths: list[str], results: dict, evaluator_for) -> None:
     for pool, seed, arm in schedule(args):
+        wait_while_paused(out)
         base = arm.split("@")[0]
         ref = f"ours@{arm.split('@')[1]}" if "@" in arm else "ours"
         ours = results.get(pool, {}).get(seed, {}).get(ref)
@@ -426,7 +444,8 @@ def summarise(args, results: dict) -> dict:
     doc = {"pools": {}, "frontier": {}, "defaults": arm_keys("ours", args), "ours": args.ours or "defaults",
            "machine": machine_info(),
            "settings": {k: getattr(args, k) for k in ("candidates", "eval_rows", "budget", "epochs", "lr",
-                                                      "max_seq_len", "micro_batch", "workers", "model")}}
+                                                      "max_seq_len", "micro_batch", "workers", "model",
+                                                      "precision")}}
     for pool in args.pools:
         arms = {}
         for arm in HEADLINE + (ABLATIONS if pool == "natural" else []):
@@ -503,12 +522,15 @@ def parse_args(argv=None):
     p.add_argument("--ablation-seeds", type=int, default=2, help="seeds of each ablation (the first N of --seeds)")
     p.add_argument("--no-frontier", dest="frontier", action="store_false")
     p.add_argument("--candidates", type=int, default=600)
-    p.add_argument("--eval-rows", type=int, default=32)
+    p.add_argument("--eval-rows", type=int, default=64)
     p.add_argument("--budget", type=float, default=0.31)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                   help="train.precision of every arm, and bf16 autocast of the features (sketch.dtype) with bf16: "
+                        "the GPU default, and 2x the fp32 speed on a CPU with AVX512-BF16")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--eval-threads", type=int, default=2)
     p.add_argument("--model", default="demo")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def test_every_arm_parses_and_differs_only_in_its_keys(e2e, tmp_path):
     assert cfgs["full"].selection.strategy == "full"
     assert cfgs["paper"].preset == "cluster-paper" and cfgs["paper"].clustering.seed != 1  # the preset's seed
     assert cfgs["rds_hier"].sketch.method == "hidden_mean" and cfgs["rds_hier"].selection.groups == "auto"
+    emb = cfgs["emb_hier_unweighted"]
+    assert (emb.sketch.method, emb.selection.groups, emb.selection.within, emb.train.loss_weighting) == \
+        ("embedding", "auto", "random", "none")
     ours = cfgs["ours"].model_dump()
     for arm in ("hidden_mean", "within_random", "max_tokens_128", "groups_auto", "unweighted"):
         diff = {(s, k) for s, sec in cfgs[arm].model_dump().items() if isinstance(sec, dict)
@@ -184,3 +188,23 @@ def test_the_base_models_scores_outlive_the_process_and_trained_ones_do_not(e2e,
     assert again("/c/base", pa.table({"example_id": ["a"]}), None) == {"loss": 2.0}  # other rows: scored
     assert again("/r/epochs/1", table, None) == {"loss": 3.0}
     assert again("/r/epochs/1", table, None) == {"loss": 4.0}  # trained models are never memoised
+
+
+def test_bf16_reaches_training_and_features_and_fp32_neither(e2e, tmp_path):
+    for precision, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
+        args = e2e.parse_args(["--out", str(tmp_path), "--precision", precision])
+        cfg = parse_config(e2e.arm_config("ours", args, "natural", 0, ["a.jsonl"], ["e.jsonl"], tmp_path / "o"))
+        assert (cfg.train.precision, cfg.sketch.dtype) == (precision, dtype)
+        assert e2e.summarise(args, {})["settings"]["precision"] == precision
+
+
+def test_the_schedule_waits_while_the_pause_file_exists(e2e, tmp_path):
+    import threading
+    (tmp_path / "PAUSE").touch()
+    threading.Timer(0.3, (tmp_path / "PAUSE").unlink).start()
+    t = time.monotonic()
+    e2e.wait_while_paused(tmp_path, poll_s=0.05)
+    assert 0.25 < time.monotonic() - t < 5 and not (tmp_path / "PAUSE").exists()
+    t = time.monotonic()
+    e2e.wait_while_paused(tmp_path, poll_s=10)  # no file: returns at once
+    assert time.monotonic() - t < 1
