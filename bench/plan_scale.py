@@ -3,7 +3,8 @@
 Synthetic sketches: a mixture of ``n_blobs`` Gaussian blobs on the unit sphere in dimension 256 (so k-means
 has structure to find), token lengths lognormal around 200 (clipped to 8..4096). The stages run as the
 pipeline runs them: ``cluster_sketches(k="auto")``, ``select("balanced", budget=31%, within="kcenter")``,
-``make_plan(cluster, W=8, micro-batch 4, 3 epochs)`` and ``plan_metrics``.
+``make_plan(cluster, W=8, micro-batch 4, 3 epochs)`` and ``plan_metrics``. ``--within`` and ``--groups`` set the
+selection's ``selection.within`` and ``selection.groups`` on both paths (default: k-center, flat).
 
 Each size runs in a fresh subprocess so that its peak RSS (``ru_maxrss``) is its own. The table goes to
 stdout, the last line is one JSON object (``seconds_1e4`` ... ``peak_rss_mib_1e6``), and the same object is
@@ -68,7 +69,7 @@ def synthetic(n: int, dim: int = DIM, n_blobs: int = 100, noise: float = 0.6, se
     return x, n_tokens
 
 
-def run_one(n: int, seed: int = 0) -> dict:
+def run_one(n: int, seed: int = 0, within: str = "kcenter", groups=None) -> dict:
     """All stages at size n in this process; returns seconds per stage and peak RSS (MiB)."""
     from ray_cluster_ft.allocate import make_plan, plan_metrics
     from ray_cluster_ft.cluster import cluster_sketches
@@ -84,7 +85,7 @@ def run_one(n: int, seed: int = 0) -> dict:
     t["cluster"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     budget = int(round(BUDGET_FRACTION * n))
-    sres = select("balanced", x, cres.labels, cres.dist, budget, within="kcenter", seed=seed)
+    sres = select("balanced", x, cres.labels, cres.dist, budget, within=within, seed=seed, groups=groups)
     t["select"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     sel = sres.indices
@@ -172,7 +173,7 @@ class _WorkerRss:
         return {"worker_peak_rss_mib": self.peak_one / 2**20, "workers_peak_rss_sum_mib": self.peak_sum / 2**20}
 
 
-def run_streamed(n: int, seed: int = 0, cpus: int = 2) -> dict:
+def run_streamed(n: int, seed: int = 0, cpus: int = 2, within: str = "kcenter", groups=None) -> dict:
     """The streamed driver side at size n (see the module docstring); seconds per stage and peak RSS (MiB)."""
     import tempfile
 
@@ -196,7 +197,8 @@ def run_streamed(n: int, seed: int = 0, cpus: int = 2) -> dict:
         run_dir = root / "run"
         prepare_run_dir(run_dir, False)
         cfg = parse_config({"train": {"num_workers": WORLD_SIZE, "micro_batch_size": MICRO_BATCH, "epochs": EPOCHS},
-                            "selection": {"budget": BUDGET_FRACTION, "within": "kcenter", "seed": seed},
+                            "selection": {"budget": BUDGET_FRACTION, "within": within, "groups": groups,
+                                          "seed": seed},
                             "clustering": {"seed": seed}, "allocation": {"packing": False, "seed": seed},
                             "sketch": {"stream_rows": 1}})
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
@@ -233,8 +235,13 @@ def _tag(n: int) -> str:
     return f"1e{int(round(e))}" if abs(e - round(e)) < 1e-9 else str(n)
 
 
+def _groups(v: str):
+    return None if v.lower() in ("none", "null") else v if v == "auto" else int(v)
+
+
 def _child(flag: str, n: int, args) -> dict:
-    proc = subprocess.run([sys.executable, __file__, flag, str(n), "--seed", str(args.seed), "--cpus", str(args.cpus)],
+    proc = subprocess.run([sys.executable, __file__, flag, str(n), "--seed", str(args.seed), "--cpus", str(args.cpus),
+                           "--within", args.within, "--groups", str(args.groups)],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-5000:])
@@ -248,22 +255,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpus", type=int, default=2, help="CPUs of the streamed run's local Ray")
     ap.add_argument("--max-in-memory", type=int, default=1_000_000, help="larger sizes run streamed only")
+    ap.add_argument("--within", default="kcenter", choices=["kcenter", "strata", "random", "peripheral", "central"],
+                    help="selection.within of both paths")
+    ap.add_argument("--groups", type=_groups, default=None,
+                    help="selection.groups of both paths: none (flat, the default), auto, or a count")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child mode: run one size, print its JSON
     ap.add_argument("--one-streamed", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "plan_scale.json")
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one, args.seed)))
+        print(json.dumps(run_one(args.one, args.seed, args.within, args.groups)))
         return {}
     if args.one_streamed:
-        print(json.dumps(run_streamed(args.one_streamed, args.seed, args.cpus)))
+        print(json.dumps(run_streamed(args.one_streamed, args.seed, args.cpus, args.within, args.groups)))
         return {}
 
     rows = [(_child("--one", n, args) if n <= args.max_in_memory else None, _child("--one-streamed", n, args))
             for n in args.sizes]
     print(f"load average {os.getloadavg()[0]:.2f}; W={WORLD_SIZE}, micro-batch {MICRO_BATCH}, {EPOCHS} epochs, "
           f"budget {BUDGET_FRACTION:.0%}, dim {DIM}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}, "
-          f"streamed on {args.cpus} Ray CPUs (float16 shards of {SHARD_ROWS} rows)")
+          f"streamed on {args.cpus} Ray CPUs (float16 shards of {SHARD_ROWS} rows); within {args.within}, "
+          f"groups {args.groups}")
     print(f"{'N':>9} {'k':>4} | {'in-mem s':>8} {'RSS MiB':>8} | {'cluster':>8} {'select':>7} {'alloc':>6} "
           f"{'metric':>6} {'stream s':>8} {'x in-mem':>8} {'drv MiB':>8} {'wkr MiB':>8} {'wkrs MiB':>8} "
           f"{'collis':>6} {'max/mean':>8}")
@@ -292,6 +304,7 @@ def main(argv=None) -> dict:
                        f"streamed_workers_peak_rss_sum_mib_{tag}": st["workers_peak_rss_sum_mib"],
                        f"streamed_over_in_memory_{tag}": ratio, f"streamed_write_shards_s_{tag}": st["write_shards_s"]})
     result["load_average_end"] = os.getloadavg()[0]
+    result["selection"] = {"within": args.within, "groups": args.groups}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

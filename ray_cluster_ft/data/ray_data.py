@@ -209,7 +209,8 @@ def load_examples_ray(cfg: DataConfig, tokenizer, chunk_bytes: int | None = None
         read = ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
             _read_piece, batch_size=1, batch_format="pyarrow", fn_kwargs={"files": files, "cfg": cfg})
         tokenized = read.map_batches(_Tokenize, fn_constructor_args=(tokenizer, cfg), batch_size=1024,
-                                     batch_format="pyarrow", concurrency=n_actors).materialize()
+                                     batch_format="pyarrow",
+                                     compute=ray.data.ActorPoolStrategy(size=n_actors)).materialize()
         # Ray's default of 200 shuffle partitions costs ~30 s of task start-ups on 2 cores for any size.
         dups = _first_of_each_id(tokenized, max(1, min(64, len(pieces) // 16, n_actors * 2)))
         table = pa.concat_tables([_arrow(r) for r in tokenized.to_arrow_refs()])

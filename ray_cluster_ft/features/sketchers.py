@@ -184,8 +184,9 @@ class _TokenSketcher:
                  collate([ids[i] for i in idx], [labs[i] for i in idx], self.pad_token_id).items()}
             with _autocast(self.device, self.cfg.dtype):
                 s, loss = self._features(b)
-            sketches[idx] = s.cpu().numpy()
-            losses[idx] = loss.cpu().numpy()
+            # .float(): under bf16 autocast a feature may come back in bf16, which numpy has no type for
+            sketches[idx] = s.float().cpu().numpy()
+            losses[idx] = loss.float().cpu().numpy()
         return {
             "example_id": np.asarray(batch["example_id"]).astype(str),
             "sketch": sketches,
@@ -348,7 +349,7 @@ class EmbeddingSketcher:
             m = mask.unsqueeze(-1).float()
             emb = (hidden * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
             emb = emb / emb.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            out[idx] = emb.cpu().numpy()
+            out[idx] = emb.float().cpu().numpy()
         return out
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -284,12 +284,11 @@ def streaming_unsupported(cfg) -> str | None:
     """Why a job above ``sketch.stream_rows`` still gathers its features on the driver, or None when it streams:
     a feature store (its rows are read back whole), ``sketch.method: last_layer`` (its normalisation spans all
     rows), or a clustering or selection setting the streaming stages do not offer (``clustering.from_run``,
-    ``clustering.algorithm: kmeans``, ``clustering.max_cluster_ratio``, ``selection.groups``)."""
-    c, s = cfg.clustering, cfg.selection
+    ``clustering.algorithm: kmeans``, ``clustering.max_cluster_ratio``)."""
+    c = cfg.clustering
     for why, bad in (("sketch.store", cfg.sketch.store), ("sketch.method: last_layer", cfg.sketch.method == "last_layer"),
                      ("clustering.from_run", c.from_run), ("clustering.algorithm: kmeans", c.algorithm == "kmeans"),
-                     ("clustering.max_cluster_ratio", c.max_cluster_ratio is not None),
-                     ("selection.groups", s.groups is not None)):
+                     ("clustering.max_cluster_ratio", c.max_cluster_ratio is not None)):
         if bad:
             return why
     return None

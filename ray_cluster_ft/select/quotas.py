@@ -39,10 +39,13 @@ __all__ = [
     "cluster_groups",
     "equalize_count",
     "group_quotas",
+    "groups_from_sums",
     "select",
     "select_cluster",
     "selection_weights",
+    "silhouette_rows",
     "token_budget_count",
+    "unit_rows64",
     "water_fill_quotas",
 ]
 
@@ -162,8 +165,6 @@ def cluster_groups(x, labels, groups, seed: int = 0) -> np.ndarray:
     Raises:
         ValueError: shapes disagree, a cluster is empty, ``groups`` is neither "auto" nor a positive int.
     """
-    from scipy.cluster.hierarchy import fcluster, linkage
-
     lab = np.asarray(labels)
     xa = np.asarray(x, dtype=np.float64)
     if xa.ndim != 2 or lab.shape != (xa.shape[0],):
@@ -172,14 +173,59 @@ def cluster_groups(x, labels, groups, seed: int = 0) -> np.ndarray:
     sizes = np.bincount(lab, minlength=k)
     if (sizes == 0).any():
         raise ValueError("every cluster needs at least one row")
-    if groups != "auto" and not (isinstance(groups, (int, np.integer)) and groups >= 1):
-        raise ValueError(f"groups must be 'auto' or a positive integer, got {groups!r}")
+    _check_groups(groups)
     if k <= 2 or groups == 1:
         return np.zeros(k, dtype=np.int64)
-    xn = xa / np.maximum(np.linalg.norm(xa, axis=1, keepdims=True), 1e-12)
-    cent = np.zeros((k, xa.shape[1]))
-    np.add.at(cent, lab, xn)
-    cent /= np.maximum(np.linalg.norm(cent, axis=1, keepdims=True), 1e-12)
+    xn = unit_rows64(xa)
+    sums = np.zeros((k, xa.shape[1]))
+    np.add.at(sums, lab, xn)
+    rows = silhouette_rows(lab.size, seed)
+    return groups_from_sums(sums, xn[rows], lab[rows], groups)
+
+
+def _check_groups(groups) -> None:
+    if groups != "auto" and not (isinstance(groups, (int, np.integer)) and groups >= 1):
+        raise ValueError(f"groups must be 'auto' or a positive integer, got {groups!r}")
+
+
+def unit_rows64(x) -> np.ndarray:
+    """float64 ``(N, d)`` rows of ``x`` scaled to unit norm (a zero row stays zero), as :func:`cluster_groups`
+    normalises them; the streamed selection normalises its shards' rows with it too."""
+    xa = np.asarray(x, dtype=np.float64)
+    return xa / np.maximum(np.linalg.norm(xa, axis=1, keepdims=True), 1e-12)
+
+
+def silhouette_rows(n: int, seed: int) -> np.ndarray:
+    """int64 ascending positions of the rows whose silhouette scores ``groups: auto`` (every row up to 2,048,
+    else a seeded sample of 2,048): a function of ``n`` and ``seed`` only, so a streamed job reads the same rows."""
+    if n <= _SILHOUETTE_ROWS:
+        return np.arange(n, dtype=np.int64)
+    return np.sort(np.random.default_rng(seed).choice(n, _SILHOUETTE_ROWS, replace=False)).astype(np.int64)
+
+
+def groups_from_sums(sums, sample, sample_labels, groups) -> np.ndarray:
+    """:func:`cluster_groups` from its sufficient statistics: the clusters' sums of unit rows and the unit rows
+    of the silhouette sample (:func:`silhouette_rows`), so the rows need not meet in one array.
+
+    Args:
+        sums: float64 (k, d) per-cluster sums of unit rows (:func:`unit_rows64`), every cluster non-empty.
+        sample: float64 (m, d) unit rows at :func:`silhouette_rows`; sample_labels: int (m,) their clusters.
+        groups: ``"auto"``, or a positive int (then ``sample`` is unused).
+
+    Returns:
+        int64 (k,) group of each cluster, as :func:`cluster_groups`.
+
+    Raises:
+        ValueError: ``groups`` is neither "auto" nor a positive int.
+    """
+    from scipy.cluster.hierarchy import fcluster, linkage
+
+    _check_groups(groups)
+    sums = np.asarray(sums, dtype=np.float64)
+    k = sums.shape[0]
+    if k <= 2 or groups == 1:
+        return np.zeros(k, dtype=np.int64)
+    cent = sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)
     tree = linkage(cent, method="average", metric="cosine")
 
     def cut(g: int) -> np.ndarray:
@@ -193,16 +239,14 @@ def cluster_groups(x, labels, groups, seed: int = 0) -> np.ndarray:
         return cut(min(int(groups), k))
     from sklearn.metrics import silhouette_score
 
-    rows = np.arange(lab.size)
-    if lab.size > _SILHOUETTE_ROWS:
-        rows = np.sort(np.random.default_rng(seed).choice(lab.size, _SILHOUETTE_ROWS, replace=False))
+    lab = np.asarray(sample_labels)
     best, best_score = np.zeros(k, dtype=np.int64), -np.inf
     for g in range(2, min(_MAX_AUTO_GROUPS, k - 1) + 1):
         grp = cut(g)
-        row_groups = grp[lab[rows]]
+        row_groups = grp[lab]
         if np.unique(row_groups).size < 2:
             continue
-        score = float(silhouette_score(xn[rows], row_groups, metric="cosine"))
+        score = float(silhouette_score(sample, row_groups, metric="cosine"))
         if score > best_score + 1e-12:  # ties keep the fewer groups
             best, best_score = grp, score
     return best
@@ -363,7 +407,8 @@ def select(
             ``random``: a seeded permutation of the rows, its longest prefix within the budget.
         groups: ``balanced`` only: ``None`` = flat (every cluster one share); ``"auto"`` or a count: the budget
             (rows or tokens) is shared between groups of similar clusters first (:func:`cluster_groups`,
-            :func:`group_quotas`); needs ``x``.
+            :func:`group_quotas`); needs ``x``. Or an int64 ``(k,)`` array: each cluster's group, computed
+            already (:func:`groups_from_sums`).
 
     Returns:
         :class:`SelectionResult` (indices sorted ascending, reasons aligned, per-cluster quotas).
@@ -418,6 +463,10 @@ def _balanced_quotas(xa, lab: np.ndarray, sizes: np.ndarray, nt, want: int, grou
     water-filling over the clusters, or over the groups first with ``groups``."""
     if groups is None:
         grp = None
+    elif isinstance(groups, np.ndarray):  # computed already (the streamed selection, from the shards)
+        grp = groups.astype(np.int64)
+        if grp.shape != sizes.shape:
+            raise ValueError(f"groups must give one group per cluster, shape {sizes.shape}, got {grp.shape}")
     elif xa is None:
         raise ValueError("groups needs x: the groups are cut from the clusters' mean features")
     else:

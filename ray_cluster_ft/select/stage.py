@@ -72,9 +72,10 @@ def run(cfg, run_dir: Path, *, n_candidates: int, sketches=None, labels=None, di
 
 
 def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, dist=None,
-                       n_tokens=None) -> SelectOutput:
+                       n_tokens=None, groups=None) -> SelectOutput:
     """The whole of :func:`run` (which writes nothing) as a pure function of the job config, also called by
-    :func:`ray_cluster_ft.select_and_plan`. Arguments, result and errors as :func:`run`."""
+    :func:`ray_cluster_ft.select_and_plan`. Arguments, result and errors as :func:`run`; ``groups``: int64 (k,)
+    the cluster groups of ``selection.groups`` computed already (the streamed selection), else None."""
     from ..config import budget_count
 
     s = cfg.selection
@@ -95,7 +96,7 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
                               "n_tokens")
         want = token_budget_count(s.budget_tokens, int(np.asarray(n_tokens, dtype=np.int64).sum()))
         res = select(s.strategy, sketches, labels, dist, within=s.within, dedup_threshold=s.dedup_threshold,
-                     seed=s.seed, n_tokens=n_tokens, budget_tokens=want, groups=s.groups)
+                     seed=s.seed, n_tokens=n_tokens, budget_tokens=want, groups=s.groups if groups is None else groups)
         t = cfg.train
         need = t.num_workers * t.grad_accum * (1 if cfg.packed else t.micro_batch_size)
         if res.indices.size < need:
@@ -106,5 +107,5 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
         return SelectOutput(int(res.indices.size), res, want)
     requested = n_candidates if s.strategy == "full" else budget_count(s.budget, n_candidates)
     res = select(s.strategy, sketches, labels, dist, requested, within=s.within, dedup_threshold=s.dedup_threshold,
-                 seed=s.seed, groups=s.groups if s.strategy == "balanced" else None)
+                 seed=s.seed, groups=(s.groups if groups is None else groups) if s.strategy == "balanced" else None)
     return SelectOutput(requested, res)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ConfigError
-from .quotas import SelectionResult, equalize_count, select_cluster, token_budget_count, water_fill_quotas
+from .quotas import (SelectionResult, equalize_count, group_quotas, select_cluster, token_budget_count,
+                     water_fill_quotas)
 from .within import DISTANCE_ORDERS
 
-__all__ = ["select_streamed", "wave_task"]
+__all__ = ["group_task", "select_streamed", "wave_task"]
 
 _WAVE_BYTES = 1 << 30  # float32 feature bytes a selection task holds at most (plus one shard)
 
@@ -50,31 +51,84 @@ def wave_task(files, offsets, clusters, quotas, labels, dist, n_tokens, params: 
                                       params["seed"], int(c), nt_c)
             out["chosen"].append(pos[m][loc])
             out["reasons"].append(list(why))
-    try:
-        import ray
-
-        out["node"] = ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 - outside Ray (a test calling the task's body directly)
-        out["node"] = "driver"
+    out["node"] = _node()
     return out
 
 
-def _quotas(cfg, labels: np.ndarray, n_tokens) -> tuple[np.ndarray, int, int | None, np.ndarray | None]:
-    """``(quotas (k,), requested, tokens requested or None, token array or None)`` of ``balanced`` (flat) and
-    ``equalize``, as :func:`~ray_cluster_ft.select.stage.select_with_config` asks :func:`select` for them."""
+def group_task(files, offsets, labels, k: int, rows) -> dict:
+    """The sufficient statistics of ``selection.groups`` over some shards (run as a Ray task): float64 (k, d)
+    per-cluster sums of unit rows and the unit rows at the silhouette positions ``rows`` that fall in these
+    shards (:func:`~ray_cluster_ft.select.quotas.groups_from_sums`). Returns ``{"sums", "sample", "node"}``."""
+    from threadpoolctl import threadpool_limits
+
+    from ..features import read_shard
+    from .quotas import unit_rows64
+
+    rows = np.asarray(rows, dtype=np.int64)
+    sums, sample = None, []
+    with threadpool_limits(limits=1, user_api="blas"):
+        for f, lo, hi in zip(files, offsets[:-1], offsets[1:]):
+            xn = unit_rows64(read_shard(f)["sketch"])
+            if sums is None:
+                sums = np.zeros((k, xn.shape[1]))
+            np.add.at(sums, labels[lo:hi], xn)
+            sample.append(xn[rows[(rows >= lo) & (rows < hi)] - lo])
+    return {"sums": sums, "sample": np.concatenate(sample), "node": _node()}
+
+
+def _node() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray (a test calling a task's body directly)
+        return "driver"
+
+
+def _groups_streamed(cfg, shards, lab: np.ndarray, nodes: dict) -> np.ndarray:
+    """``selection.groups`` of a streamed job: one pass of Ray tasks (two per CPU) over the shards for the
+    clusters' sums of unit rows and the silhouette sample, then
+    :func:`~ray_cluster_ft.select.quotas.groups_from_sums` on the driver: the in-memory
+    :func:`~ray_cluster_ft.select.quotas.cluster_groups` of the shards' rows, with (k, d) and 2,048 rows held."""
+    import ray
+
+    from .quotas import groups_from_sums, silhouette_rows
+
+    k = int(lab.max()) + 1
+    rows = silhouette_rows(lab.size, cfg.selection.seed)
+    n_tasks = max(1, min(len(shards.files), 2 * int(ray.cluster_resources().get("CPU", 1))))
+    cuts = np.linspace(0, len(shards.files), n_tasks + 1).round().astype(int)
+    task = ray.remote(num_cpus=1)(group_task)
+    lab_ref = ray.put(lab)
+    outs = ray.get([task.remote(list(shards.files[a:b]), np.asarray(shards.offsets[a:b + 1]), lab_ref, k, rows)
+                    for a, b in zip(cuts[:-1], cuts[1:]) if b > a])
+    for o in outs:
+        nodes[o["node"]] = nodes.get(o["node"], 0) + 1
+    sums = np.sum([o["sums"] for o in outs], axis=0)
+    return groups_from_sums(sums, np.concatenate([o["sample"] for o in outs]), lab[rows], cfg.selection.groups)
+
+
+def _quotas(cfg, labels: np.ndarray, n_tokens, groups=None) -> tuple[np.ndarray, int, int | None, np.ndarray | None]:
+    """``(quotas (k,), requested, tokens requested or None, token array or None)`` of ``balanced`` (flat, or over
+    ``groups`` first) and ``equalize``, as :func:`~ray_cluster_ft.select.stage.select_with_config` asks
+    :func:`select` for them."""
     from ..config import budget_count
 
     s = cfg.selection
     sizes = np.bincount(labels).astype(np.int64)
+
+    def fill(totals, want):
+        return water_fill_quotas(totals, want) if groups is None else group_quotas(totals, groups, want)
+
     if s.strategy == "equalize":
         m = int(sizes[0]) if sizes.size == 1 else equalize_count(sizes, s.ratio)
         return np.full(sizes.size, m, dtype=np.int64), m * sizes.size, None, None
     if s.budget_tokens is not None:
         nt = np.asarray(n_tokens, dtype=np.int64)
         want = token_budget_count(s.budget_tokens, int(nt.sum()))
-        return water_fill_quotas(np.bincount(labels, weights=nt).astype(np.int64), want), 0, want, nt
+        return fill(np.bincount(labels, weights=nt).astype(np.int64), want), 0, want, nt
     want = budget_count(s.budget, labels.size)
-    return water_fill_quotas(sizes, want), want, None, None
+    return fill(sizes, want), want, None, None
 
 
 def _waves(quotas: np.ndarray, sizes: np.ndarray, dim: int, wave_bytes: int, min_waves: int = 1) -> list[np.ndarray]:
@@ -102,7 +156,7 @@ def select_streamed(cfg, shards, labels: np.ndarray, dist: np.ndarray, n_tokens=
     :class:`~ray_cluster_ft.select.quotas.SelectionResult` as the in-memory selection of the shards' rows.
 
     Args:
-        cfg: the job config (``selection``; ``groups`` is not offered here).
+        cfg: the job config (``selection``; ``groups`` takes one more pass of Ray tasks over the shards).
         shards: :class:`~ray_cluster_ft.features.FeatureShards`, candidate order.
         labels: int ``(N,)`` clusters 0..k-1; dist: float32 ``(N,)`` distances to the own centroid.
         n_tokens: int ``(N,)`` tokens per candidate (a token budget).
@@ -112,7 +166,7 @@ def select_streamed(cfg, shards, labels: np.ndarray, dist: np.ndarray, n_tokens=
         ``(SelectOutput, nodes)``: the select stage's output and the tasks each Ray node ran.
 
     Raises:
-        ConfigError: ``selection.groups`` (not streamed), or as :func:`~ray_cluster_ft.select.stage.select_with_config`.
+        ConfigError: as :func:`~ray_cluster_ft.select.stage.select_with_config`.
     """
     import ray
 
@@ -120,13 +174,15 @@ def select_streamed(cfg, shards, labels: np.ndarray, dist: np.ndarray, n_tokens=
 
     s = cfg.selection
     lab = np.asarray(labels).astype(np.int64)
+    nodes: dict = {}
+    groups = None
+    if s.groups is not None and s.strategy == "balanced":
+        groups = _groups_streamed(cfg, shards, lab, nodes)
     if s.strategy in ("random", "full") or s.within in DISTANCE_ORDERS:
-        # Zero-width features: these choices read the labels and distances only.
+        # Zero-width features: these choices read the labels and distances only (and the groups, found above).
         return select_with_config(cfg, n_candidates=lab.size, sketches=np.empty((lab.size, 0), np.float32),
-                                  labels=lab, dist=dist, n_tokens=n_tokens), {}
-    if s.groups is not None:
-        raise ConfigError("selection.groups reads every row's features: raise sketch.stream_rows to select in memory")
-    quotas, requested, tokens, nt = _quotas(cfg, lab, n_tokens)
+                                  labels=lab, dist=dist, n_tokens=n_tokens, groups=groups), nodes
+    quotas, requested, tokens, nt = _quotas(cfg, lab, n_tokens, groups)
     sizes = np.bincount(lab, minlength=quotas.size)
     refs = [ray.put(a) for a in (lab, np.asarray(dist, np.float32), nt)]
     task = ray.remote(num_cpus=1)(wave_task)
@@ -134,7 +190,6 @@ def select_streamed(cfg, shards, labels: np.ndarray, dist: np.ndarray, n_tokens=
     # Two waves per CPU: the CPUs share the work, and a slow wave is not left alone at the end.
     waves = _waves(quotas, sizes, shards.dim, wave_bytes, 2 * int(ray.cluster_resources().get("CPU", 1)))
     outs = ray.get([task.remote(list(shards.files), shards.offsets, w, quotas[w], *refs, params) for w in waves])
-    nodes: dict = {}
     chosen, why = [], []
     for o in outs:
         nodes[o["node"]] = nodes.get(o["node"], 0) + 1
@@ -145,11 +200,11 @@ def select_streamed(cfg, shards, labels: np.ndarray, dist: np.ndarray, n_tokens=
     srt = np.argsort(idx, kind="stable")
     if nt is not None:
         picked = np.bincount(lab[idx], minlength=quotas.size).astype(np.int64)
-        res = SelectionResult(idx[srt], reasons[srt], picked, quotas)
+        res = SelectionResult(idx[srt], reasons[srt], picked, quotas, groups=groups)
         t = cfg.train
         need = t.num_workers * t.grad_accum * (1 if cfg.packed else t.micro_batch_size)
         if idx.size < need:
             raise ConfigError(f"selection.budget_tokens={s.budget_tokens} ({tokens} tokens) selects {idx.size} "
                               f"examples, fewer than one optimizer step needs ({need}); raise the budget")
         return SelectOutput(int(idx.size), res, tokens), nodes
-    return SelectOutput(int(requested), SelectionResult(idx[srt], reasons[srt], quotas)), nodes
+    return SelectOutput(int(requested), SelectionResult(idx[srt], reasons[srt], quotas, groups=groups)), nodes
