@@ -72,32 +72,27 @@ ARMS = {
     "random_tokens": ("random rows up to ours' tokens",
                       {"selection": {"strategy": "random"}, "allocation": {"strategy": "random"}}),
     "paper": ("preset: cluster-paper, its defaults", {"preset": "cluster-paper"}),
-    # Ablations (natural pool): one key from the default.
-    "hidden_mean": ("sketch.method: hidden_mean (RDS+)", {"sketch": {"method": "hidden_mean"}}),
+    # Ablations (natural pool): one key from the default (hidden_mean, groups auto, within random, unweighted:
+    # the defaults since issue 31).
+    "sketch": ("sketch.method: sketch (the LoGra gradient sketch)", {"sketch": {"method": "sketch"}}),
     "last_layer": ("sketch.method: last_layer (published)", {"sketch": {"method": "last_layer"}}),
-    "within_random": ("selection.within: random", {"selection": {"within": "random"}}),
+    # all-MiniLM-L6-v2, a 22M encoder: a selector much smaller than the trained model (Yin & Rush).
+    "embedding": ("sketch.method: embedding (all-MiniLM-L6-v2)", {"sketch": {"method": "embedding"}}),
+    "within_kcenter": ("selection.within: kcenter", {"selection": {"within": "kcenter"}}),
     "within_peripheral": ("selection.within: peripheral", {"selection": {"within": "peripheral"}}),
     "max_tokens_128": ("sketch.max_tokens: 128", {"sketch": {"max_tokens": 128}}),
-    "groups_auto": ("selection.groups: auto", {"selection": {"groups": "auto"}}),
-    "unweighted": ("train.loss_weighting: none", {"train": {"loss_weighting": "none"}}),
-    "rds_hier": ("hidden_mean + groups auto + within random",
-                 {"sketch": {"method": "hidden_mean"}, "selection": {"groups": "auto", "within": "random"}}),
-    # The same rows unweighted: cluster weights that restore the pool's shares give the balanced subset the
-    # pool's gradient mix back in expectation, so balance can pay off on a macro mean only without them.
-    "rds_hier_unweighted": ("rds_hier + train.loss_weighting: none",
-                            {"sketch": {"method": "hidden_mean"}, "selection": {"groups": "auto", "within": "random"},
-                             "train": {"loss_weighting": "none"}}),
-    # The same grouping on all-MiniLM-L6-v2 sentence embeddings: a 22M encoder, so the selection pass costs a
-    # fraction of hidden_mean's (Yin & Rush: a selector much smaller than the trained model).
-    "emb_hier_unweighted": ("embedding + groups auto + within random, unweighted",
-                            {"sketch": {"method": "embedding"}, "selection": {"groups": "auto", "within": "random"},
-                             "train": {"loss_weighting": "none"}}),
+    "flat": ("selection.groups: null (every cluster one share)", {"selection": {"groups": None}}),
+    "weighted": ("train.loss_weighting: cluster", {"train": {"loss_weighting": "cluster"}}),
+    # The defaults before issue 31, all four keys at once.
+    "old_defaults": ("sketch, k-center, flat quotas, cluster weights (the defaults before issue 31)",
+                     {"sketch": {"method": "sketch"}, "selection": {"within": "kcenter", "groups": None},
+                      "train": {"loss_weighting": "cluster"}}),
     # With --ours NAME, ``ours`` is a candidate default written as keys; this arm keeps the package's own.
     "defaults": ("the package's defaults at this commit", {}),
 }
 HEADLINE = ["ours", "random_subset", "random_tokens", "paper", "full"]
-ABLATIONS = ["defaults", "hidden_mean", "last_layer", "within_random", "within_peripheral", "max_tokens_128", "groups_auto",
-             "unweighted", "rds_hier", "rds_hier_unweighted", "emb_hier_unweighted"]
+ABLATIONS = ["defaults", "sketch", "last_layer", "embedding", "within_kcenter", "within_peripheral", "max_tokens_128",
+             "flat", "weighted", "old_defaults"]
 FRONTIER_BUDGETS = (0.2, 0.5)  # and --budget (0.31): ours and random_subset, natural, seed 0
 SELECTION_PASS = ("sketch", "cluster", "select", "allocate")
 QUICK = {"candidates": 30, "eval_rows": 6, "epochs": 2, "seeds": [0], "max_seq_len": 128}

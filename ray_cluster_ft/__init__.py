@@ -7,9 +7,11 @@ The stages, one module or package each, every one a ``run(cfg, run_dir, ...)`` t
 (docs/design.md):
 
 * :mod:`ray_cluster_ft.data`: sources -> tokenized examples + rejected rows; the one :func:`collate`;
-* :mod:`ray_cluster_ft.features`: gradient sketches (or embeddings) by Ray Data actors, resumable shards;
+* :mod:`ray_cluster_ft.features`: pooled hidden states, gradient sketches, the last-layer proxy or embeddings by Ray
+  Data actors, resumable shards;
 * :mod:`ray_cluster_ft.cluster`: spherical k-means (or the published KMeans with a soft cap);
-  :mod:`ray_cluster_ft.select`: water-filled quotas and k-center picks (or the published equal cuts); :mod:`ray_cluster_ft.allocate`: the rank x step plan (pure algorithms, no Ray);
+  :mod:`ray_cluster_ft.select`: water-filled quotas per group of clusters and per cluster, a sample or k-center
+  picks inside (or the published equal cuts); :mod:`ray_cluster_ft.allocate`: the rank x step plan (pure algorithms, no Ray);
 * :mod:`ray_cluster_ft.train`: Ray Train + DeepSpeed workers that train exactly their planned rows;
 * :mod:`ray_cluster_ft.evaluate`: held-out loss, multiple-choice accuracy, pass@1;
 * :func:`run_pipeline` (:mod:`ray_cluster_ft.pipeline`) runs them in order; ``ray-cluster-ft`` is the CLI;

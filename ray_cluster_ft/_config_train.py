@@ -69,7 +69,7 @@ class TrainConfig(Section):
     loss_weighting: Literal["cluster", "none"] | None = Field(
         None, description="cluster: weigh each example's token losses by its selection weight (n_c/N)/(s_c/S), "
                           "restoring every cluster's share of the data; none: weight 1; null = cluster for the "
-                          "balanced and equalize selections, none otherwise. Either way a step's loss is "
+                          "published equalize selection, none otherwise (measured: docs/benchmarks.md). Either way a step's loss is "
                           "token-exact: sum_i w_i sum_t l_it / sum_i w_i |T_i| over all its ranks")
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = no limit")
     max_tokens_per_micro_batch: int | None = Field(

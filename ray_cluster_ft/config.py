@@ -191,7 +191,8 @@ class SketchConfig(Section):
     """
 
     method: Literal["sketch", "embedding", "last_layer", "hidden_mean"] = Field(
-        "sketch", description="``sketch``: the LoGra sketch of the chosen modules' per-example gradients (``gradient``, "
+        "hidden_mean", description="``hidden_mean`` (the default, chosen by bench/end_to_end.py; docs/benchmarks.md): "
+                              "see below; ``sketch``: the LoGra sketch of the chosen modules' per-example gradients (``gradient``, "
                               "its former name, is read as ``sketch``); ``last_layer``: the published last-layer "
                               "gradient proxy; ``hidden_mean``: the RDS+ feature (Ivison et al. 2025), the sketch "
                               "model's final hidden state pooled over the row's tokens (prompt and response), one "
@@ -277,7 +278,8 @@ class SketchConfig(Section):
     def _pooling_default(cls, v: Any) -> Any:
         # Filled in here, not as a field default, so that a saved config.yaml of any other method (pooling null)
         # still loads, and one of hidden_mean says which pooling it ran.
-        if isinstance(v, dict) and v.get("method") == "hidden_mean" and v.get("pooling") is None:
+        method = v.get("method", cls.model_fields["method"].default) if isinstance(v, dict) else None
+        if method == "hidden_mean" and v.get("pooling") is None:
             return {**v, "pooling": "weighted"}
         return v
 
@@ -377,10 +379,12 @@ class SelectionConfig(Section):
     budget: float = Field(0.31, gt=0, description="fraction in (0, 1] of the candidates (1 = all), or a count of "
                                                 "examples if > 1")
     within: Literal["kcenter", "strata", "peripheral", "central", "random"] = Field(
-        "kcenter", description="order of a cluster's members for balanced and equalize: ``kcenter`` (greedy "
+        "random", description="order of a cluster's members for balanced and equalize: ``random`` (seeded: a "
+                              "stratified sample of the cluster; the default, chosen by bench/end_to_end.py), "
+                              "``kcenter`` (greedy "
                                "farthest-point, from the member nearest the centroid), ``strata`` (one seeded pick "
                                "per distance stratum), ``peripheral`` (farthest from the centroid first: the "
-                               "published default), ``central`` (nearest first), ``random`` (seeded)")
+                               "published default), ``central`` (nearest first)")
     dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates "
                                                                     "(kcenter and strata reach them last; 1 = off)")
     seed: int = seed_field("selection seed")
@@ -389,7 +393,7 @@ class SelectionConfig(Section):
                                                         "paper's other settings); another value with another "
                                                         "strategy is refused")
     groups: Literal["auto"] | int | None = Field(
-        None, description="balanced only: share the budget first equally between groups of similar clusters, then "
+        "auto", description="balanced only (other strategies ignore the default): share the budget first equally between groups of similar clusters, then "
                           "between the clusters of each group (hierarchical balanced sampling, so a kind of row "
                           "spread over many clusters gets no more than a kind held by few); ``auto`` = the number "
                           "of groups (2..8) with the best silhouette of the rows, an integer = that many groups "
@@ -427,7 +431,7 @@ class SelectionConfig(Section):
         if self.budget_tokens is not None and self.budget != default["budget"].default:
             raise ValueError(f"selection.budget ({self.budget}) and selection.budget_tokens ({self.budget_tokens}) "
                              "both set: budget_tokens replaces budget; keep one")
-        if self.groups is not None and self.strategy != "balanced":
+        if self.groups not in (None, default["groups"].default) and self.strategy != "balanced":
             raise ValueError(f"selection.groups applies to 'balanced' only, not {self.strategy!r}")
         if self.strategy != "equalize" and self.ratio != default["ratio"].default:
             raise ValueError(f"selection.ratio ({self.ratio}) applies to 'equalize' only, not {self.strategy!r} "
@@ -502,8 +506,9 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _resolve_loss_weighting(self) -> "JobConfig":
         if self.train.loss_weighting is None:
-            balanced = self.selection.strategy in ("balanced", "equalize")
-            self.train.loss_weighting = "cluster" if balanced else "none"
+            # Measured (docs/benchmarks.md, selection quality): the balanced subset trained unweighted has the
+            # lower held-out macro loss; the published equalize selection weights its clusters back.
+            self.train.loss_weighting = "cluster" if self.selection.strategy == "equalize" else "none"
         return self
 
     @model_validator(mode="after")

@@ -31,19 +31,25 @@ def _in_memory(cfg, run_dir, shards, ids, nt):
 def _streamed(cfg, run_dir, shards, ids, nt):
     cl = cluster_streamed(cfg, run_dir, shards=shards, example_ids=pa.array(ids))
     sel, nodes = select_streamed(cfg, shards, cl.labels, cl.dist, n_tokens=nt, wave_bytes=200_000)
-    # several waves of clusters, each a task; the distance orders read no feature, so no task
-    assert sum(nodes.values()) >= 3 if cfg.selection.within == "kcenter" or cfg.selection.within == "strata" \
-        else nodes == {}
+    # several waves of clusters, each a task; the distance orders and random read no feature, so no task; the
+    # groups take one pass of tasks (2 per CPU) of their own
+    waves = 3 if cfg.selection.within in ("kcenter", "strata") else 0
+    grouped = cfg.selection.groups is not None and cfg.selection.strategy == "balanced"
+    groups = 2 * 2 if grouped else 0  # the ray_cpu fixture's 2 CPUs
+    assert sum(nodes.values()) >= waves + groups and (nodes == {}) == (waves + groups == 0)
     allocate_streamed(cfg, run_dir, example_ids=pa.array(ids), labels=cl.labels, n_tokens=nt,
                       selected=np.asarray(sel.result.indices), reasons=sel.result.reasons)
     return sel
 
 
 @pytest.mark.parametrize("spec", [
-    {"selection": {"within": "kcenter"}},
+    {"selection": {"within": "kcenter", "groups": None}},
     {"selection": {"within": "strata", "budget_tokens": 0.2}, "allocation": {"packing": False}},
+    {},  # the defaults: hidden_mean's rows (any features here), groups auto, within random
     {"selection": {"strategy": "equalize", "within": "peripheral", "ratio": 0.5},
      "allocation": {"strategy": "cluster"}},
+    {"selection": {"within": "random", "groups": "auto"}},
+    {"selection": {"within": "kcenter", "groups": 3, "budget_tokens": 0.25}},
 ])
 def test_selection_and_plan_of_10k_rows_equal_between_streamed_and_in_memory(ray_cpu, tmp_path, spec):
     n = 10_000
@@ -61,6 +67,9 @@ def test_selection_and_plan_of_10k_rows_equal_between_streamed_and_in_memory(ray
     np.testing.assert_array_equal(a.result.indices, b.result.indices)
     np.testing.assert_array_equal(a.result.reasons, b.result.reasons)
     np.testing.assert_array_equal(a.result.quotas, b.result.quotas)
+    if cfg.selection.groups is not None and cfg.selection.strategy == "balanced":  # from the shards, as in memory
+        np.testing.assert_array_equal(a.result.groups, b.result.groups)
+        assert np.unique(b.result.groups).size >= 2
     assert (a.requested, a.tokens_requested) == (b.requested, b.tokens_requested)
     for name in ("clusters.parquet", "selection.parquet", "plan.parquet"):
         pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "mem" / name), pd.read_parquet(tmp_path / "str" / name),

@@ -163,13 +163,13 @@ import json
 
 import ray_cluster_ft as rcf
 
-rows = [json.loads(line) for line in open("tests/fixtures/mixed_120.jsonl")][:40]  # about 0.7 s each on a CPU core
+rows = [json.loads(line) for line in open("tests/fixtures/mixed_120.jsonl")][:40]  # MBPP, GPTeacher, MedQuAD
 cfg = rcf.parse_config({"data": {"max_seq_len": 512, "overlong": "truncate"},
                         "selection": {"budget": 0.5},
                         "train": {"num_workers": 2, "micro_batch_size": 2, "epochs": 2}})
 
-feats = rcf.compute_features(rows, "demo", cfg)  # gradient sketches of SmolLM2-135M; row i is rows[i]
-print(feats.features.shape, feats.features.dtype)  # (40, 256) float32
+feats = rcf.compute_features(rows, "demo", cfg)  # pooled hidden states of SmolLM2-135M; row i is rows[i]
+print(feats.features.shape, feats.features.dtype)  # (40, 576) float32
 
 plan = rcf.select_and_plan(feats, feats.n_tokens, cfg)
 print(plan.selection.head())  # example_id, cluster, reason, weight: the rows to train
@@ -192,8 +192,8 @@ def test_readme_example(monkeypatch, capsys):
     scope: dict = {}
     exec(compile(README_EXAMPLE, "README example", "exec"), scope)
     feats, plan, cfg = scope["feats"], scope["plan"], scope["cfg"]
-    assert feats.features.shape == (40, 256) and feats.features.dtype == np.float32
-    assert "(40, 256) float32" in capsys.readouterr().out
+    assert feats.features.shape == (40, 576) and feats.features.dtype == np.float32  # the hidden size
+    assert "(40, 576) float32" in capsys.readouterr().out
     assert sorted(plan.plan["rank"].unique()) == [0, 1]
     assert set(plan.plan["example_id"]) == set(plan.selection["example_id"])
     assert plan.selection["weight"].mean() == pytest.approx(1.0)

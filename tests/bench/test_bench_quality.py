@@ -55,16 +55,19 @@ def test_every_arm_parses_and_differs_only_in_its_keys(e2e, tmp_path):
     assert cfgs["random_tokens"].selection.budget_tokens == 31000  # it replaces budget
     assert cfgs["full"].selection.strategy == "full"
     assert cfgs["paper"].preset == "cluster-paper" and cfgs["paper"].clustering.seed != 1  # the preset's seed
-    assert cfgs["rds_hier"].sketch.method == "hidden_mean" and cfgs["rds_hier"].selection.groups == "auto"
-    emb = cfgs["emb_hier_unweighted"]
-    assert (emb.sketch.method, emb.selection.groups, emb.selection.within, emb.train.loss_weighting) == \
-        ("embedding", "auto", "random", "none")
-    ours = cfgs["ours"].model_dump()
-    for arm in ("hidden_mean", "within_random", "max_tokens_128", "groups_auto", "unweighted"):
+    ours_cfg = cfgs["ours"]  # the package's defaults since issue 31
+    assert (ours_cfg.sketch.method, ours_cfg.selection.groups, ours_cfg.selection.within,
+            ours_cfg.train.loss_weighting) == ("hidden_mean", "auto", "random", "none")
+    old = cfgs["old_defaults"]
+    assert (old.sketch.method, old.selection.groups, old.selection.within, old.train.loss_weighting) == \
+        ("sketch", None, "kcenter", "cluster")
+    ours = ours_cfg.model_dump()
+    for arm in ("sketch", "embedding", "within_kcenter", "max_tokens_128", "flat", "weighted"):
         diff = {(s, k) for s, sec in cfgs[arm].model_dump().items() if isinstance(sec, dict)
                 for k, v in sec.items() if ours[s][k] != v and not (s == "output" and k == "dir")}
-        assert len(diff) == 1 or (arm == "hidden_mean" and diff == {("sketch", "method"), ("sketch", "pooling")}), \
-            (arm, diff)
+        # leaving hidden_mean drops its pooling too
+        assert len(diff) == 1 or (arm in ("sketch", "embedding") and diff == {("sketch", "method"),
+                                                                            ("sketch", "pooling")}), (arm, diff)
     for cfg in cfgs.values():  # every arm scores each epoch on the same files, features in one store
         assert cfg.evaluation.every_epoch and cfg.evaluation.paths == ["e.jsonl"]
         assert cfg.sketch.store == str(tmp_path / "natural" / "features") and cfg.sketch.seed == 0
@@ -77,22 +80,22 @@ def test_the_schedule_runs_ours_first_full_once_and_the_frontier_last(e2e):
         for seed in (0, 1, 2):
             arms = [a for p, s, a in order if (p, s) == (pool, seed) and a in e2e.HEADLINE]
             assert arms[0] == "ours" and ("full" in arms) == (seed == 0)
-    assert Counter(a for p, s, a in order if a in e2e.ABLATIONS)["rds_hier"] == 2  # --ablation-seeds 2
+    assert Counter(a for p, s, a in order if a in e2e.ABLATIONS)["within_kcenter"] == 2  # --ablation-seeds 2
     assert [a for _, _, a in order[-4:]] == ["ours@0.2", "random_subset@0.2", "ours@0.5", "random_subset@0.5"]
 
 
 def test_ours_can_be_a_candidate_default_written_as_keys(e2e, tmp_path):
     """--ours NAME: ``ours`` runs NAME's keys (the random arms then take its counts), the ablation NAME is not run
     twice, ``defaults`` keeps the package's own defaults, and the summary names the keys."""
-    args = e2e.parse_args(["--out", str(tmp_path), "--ours", "rds_hier", "--seeds", "0", "1"])
+    args = e2e.parse_args(["--out", str(tmp_path), "--ours", "old_defaults", "--seeds", "0", "1"])
     cfg = parse_config(e2e.arm_config("ours", args, "natural", 0, ["a.jsonl"], ["e.jsonl"], tmp_path / "o"))
-    assert cfg.sketch.method == "hidden_mean" and cfg.selection.within == "random" and cfg.selection.groups == "auto"
+    assert cfg.sketch.method == "sketch" and cfg.selection.within == "kcenter" and cfg.selection.groups is None
     plain = parse_config(e2e.arm_config("defaults", args, "natural", 0, ["a.jsonl"], ["e.jsonl"], tmp_path / "d"))
-    assert plain.sketch.method == parse_config({"data": {"source": "demo"}}).sketch.method
+    assert plain.sketch.method == parse_config({"data": {"source": "demo"}}).sketch.method == "hidden_mean"
     arms = [a for _, _, a in e2e.schedule(args)]
-    assert "rds_hier" not in arms and arms.count("defaults") == 2
+    assert "old_defaults" not in arms and arms.count("defaults") == 2
     doc = e2e.summarise(args, {})
-    assert doc["ours"] == "rds_hier" and doc["defaults"] == e2e.ARMS["rds_hier"][1]
+    assert doc["ours"] == "old_defaults" and doc["defaults"] == e2e.ARMS["old_defaults"][1]
     # Without --ours, ``defaults`` is ours itself and does not run.
     assert "defaults" not in [a for _, _, a in e2e.schedule(e2e.parse_args([]))]
 

@@ -113,17 +113,21 @@ def test_the_lm_head_is_never_called(tiny_model_dir, model32):
 def test_config():
     assert SketchConfig(method="hidden_mean").pooling == "weighted"
     assert SketchConfig(method="hidden_mean", pooling="mean").pooling == "mean"
-    assert SketchConfig().pooling is None and SketchConfig().method == "sketch"
+    # hidden_mean is the default (issue 31): its pooling is filled in for a spec that names no method too
+    assert SketchConfig().method == "hidden_mean" and parse_config({}).sketch.pooling == "weighted"
+    assert SketchConfig(method="sketch").pooling is None
     assert SketchConfig(method="hidden_mean", warmup_steps=2).warmup_steps == 2
     for method in ("sketch", "last_layer", "embedding"):
         with pytest.raises(ValueError, match="sketch.pooling: mean pools the final hidden states"):
             SketchConfig(method=method, pooling="mean")
     with pytest.raises(ConfigError, match="sketch.pooling"):
-        parse_config({"sketch": {"pooling": "weighted"}})
+        parse_config({"sketch": {"method": "sketch", "pooling": "weighted"}})
     # A saved config of hidden_mean says which pooling ran, and loads again.
     dumped = parse_config({"sketch": {"method": "hidden_mean"}}).model_dump(mode="json")
     assert dumped["sketch"]["pooling"] == "weighted" and parse_config(dumped).sketch.pooling == "weighted"
-    assert parse_config(parse_config({}).model_dump(mode="json")).sketch.pooling is None
+    assert parse_config(parse_config({}).model_dump(mode="json")).sketch.pooling == "weighted"
+    sketch_cfg = parse_config({"sketch": {"method": "sketch"}}).model_dump(mode="json")
+    assert parse_config(sketch_cfg).sketch.pooling is None  # a saved config of another method still loads
 
 
 def test_compute_features_in_process_and_on_ray_agree(tiny_model_dir):
@@ -149,3 +153,17 @@ def test_compute_features_in_process_and_on_ray_agree(tiny_model_dir):
     ll_cfg = cfg.model_copy(update={"sketch": cfg.sketch.model_copy(update={"method": "last_layer", "pooling": None})})
     ll = rcf.compute_features(rows, str(tiny_model_dir), ll_cfg, world_size=2)
     assert np.abs(ll.features - here.features).max() > 0.1
+
+
+def test_bf16_autocast_gives_float32_rows_near_the_fp32_ones(tiny_model_dir, model32):
+    """``sketch.dtype: bfloat16`` (the GPU default, and bench/end_to_end.py's): the pooled rows come back from the
+    autocast region in bf16; the sketcher hands float32 rows within bf16's precision of the fp32 reference."""
+    rows, labels = _examples(LENGTHS, PROMPTS, seed=9)
+    sk = make_sketcher("hidden_mean", str(tiny_model_dir),
+                       SketchConfig(method="hidden_mean", batch_size=2, dtype="bfloat16").model_dump(),
+                       pad_token_id=3, device="cpu")
+    out = sk(_numpy_batch(rows, labels, [f"e{i}" for i in range(len(rows))]))
+    ref = np.stack([_reference(model32, r, "weighted") for r in rows])
+    assert out["sketch"].dtype == np.float32
+    cos = (out["sketch"] * ref).sum(1) / np.linalg.norm(out["sketch"], axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() > 0.99 and not np.allclose(out["sketch"], ref, rtol=0, atol=1e-6)  # bf16 did run

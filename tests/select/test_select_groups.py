@@ -83,9 +83,39 @@ def test_groups_config_is_checked():
     base = {"selection": {"strategy": "balanced", "groups": "auto"}}
     assert parse_config(base).selection.groups == "auto"
     assert parse_config({"selection": {"groups": 3}}).selection.groups == 3
+    # auto is the default (issue 31): other strategies ignore it, and refuse a count (a saved config.yaml holds
+    # every key, so the default itself must load with any strategy)
+    assert parse_config({}).selection.groups == "auto"
+    for strategy in ("random", "full", "equalize"):
+        assert parse_config({"selection": {"strategy": strategy}}).selection.groups == "auto"
+        assert parse_config({"selection": {"strategy": strategy, "groups": None}}).selection.groups is None
     with pytest.raises(ConfigError, match="groups"):
-        parse_config({"selection": {"strategy": "random", "groups": "auto"}})
+        parse_config({"selection": {"strategy": "random", "groups": 3}})
     with pytest.raises(ConfigError, match="groups"):
         parse_config({"selection": {"groups": 0}})
     with pytest.raises(ConfigError, match="groups"):
         parse_config({"selection": {"groups": "many"}})
+
+
+def test_groups_from_the_sums_and_the_sample_are_the_groups_of_the_rows():
+    """The streamed selection finds the groups from per-shard sums of unit rows and the silhouette sample's rows
+    (:func:`groups_from_sums`); over a pool above the 2,048-row sample that is the in-memory grouping."""
+    from ray_cluster_ft.select.quotas import groups_from_sums, silhouette_rows, unit_rows64
+
+    x, labels, _ = _two_kinds(1)
+    x = np.concatenate([x] * 12) * np.random.default_rng(2).uniform(0.5, 2.0, (2400, 1)).astype(np.float32)
+    labels = np.concatenate([labels] * 12)
+    rows = silhouette_rows(labels.size, seed=5)
+    assert rows.size == 2048 and np.all(np.diff(rows) > 0) and np.array_equal(rows, silhouette_rows(2400, 5))
+    xn = unit_rows64(x)
+    sums = sum(np.stack([xn[lo:lo + 600][labels[lo:lo + 600] == c].sum(0) for c in range(4)])
+               for lo in range(0, 2400, 600))  # four "shards" summed apart, as the streamed tasks do
+    want = cluster_groups(x, labels, "auto", seed=5)
+    assert want.tolist() == [0, 0, 0, 1]
+    assert groups_from_sums(sums, xn[rows], labels[rows], "auto").tolist() == want.tolist()
+    assert groups_from_sums(sums, None, None, 1).tolist() == [0, 0, 0, 0]
+    # the selection takes groups computed already, one per cluster
+    res = select("balanced", None, labels, np.zeros(2400), 100, within="random", groups=want)
+    assert res.groups.tolist() == want.tolist() and np.bincount(want[labels[res.indices]]).tolist() == [50, 50]
+    with pytest.raises(ValueError, match="one group per cluster"):
+        select("balanced", None, labels, np.zeros(2400), 100, within="random", groups=np.zeros(3, np.int64))
