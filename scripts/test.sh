@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a virtual environment in .venv and run the test suite (CPU only; 27.6 minutes of tests on 2 shared cores at ebda24a,
+# Set up a virtual environment in .venv and run the test suite (CPU only; 23.5 minutes of tests on 2 idle cores at 730e236,
 # plus the installs).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
