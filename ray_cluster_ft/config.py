@@ -191,7 +191,8 @@ class SketchConfig(Section):
     """
 
     method: Literal["sketch", "embedding", "last_layer", "hidden_mean"] = Field(
-        "hidden_mean", description="``hidden_mean`` (the default, chosen by bench/end_to_end.py; docs/benchmarks.md): "
+        "hidden_mean", description="``hidden_mean`` (the default: with the next keys' defaults, the combination that "
+                              "lost least to a random subset in bench/end_to_end.py; docs/benchmarks.md): "
                               "see below; ``sketch``: the LoGra sketch of the chosen modules' per-example gradients (``gradient``, "
                               "its former name, is read as ``sketch``); ``last_layer``: the published last-layer "
                               "gradient proxy; ``hidden_mean``: the RDS+ feature (Ivison et al. 2025), the sketch "
@@ -380,7 +381,7 @@ class SelectionConfig(Section):
                                                 "examples if > 1")
     within: Literal["kcenter", "strata", "peripheral", "central", "random"] = Field(
         "random", description="order of a cluster's members for balanced and equalize: ``random`` (seeded: a "
-                              "stratified sample of the cluster; the default, chosen by bench/end_to_end.py), "
+                              "stratified sample of the cluster; the default, see sketch.method), "
                               "``kcenter`` (greedy "
                                "farthest-point, from the member nearest the centroid), ``strata`` (one seeded pick "
                                "per distance stratum), ``peripheral`` (farthest from the centroid first: the "

@@ -163,7 +163,7 @@ import json
 
 import ray_cluster_ft as rcf
 
-rows = [json.loads(line) for line in open("tests/fixtures/mixed_120.jsonl")][:40]  # MBPP, GPTeacher, MedQuAD
+rows = [json.loads(line) for line in open("tests/fixtures/mixed_120.jsonl")][:40]  # 40 MBPP rows
 cfg = rcf.parse_config({"data": {"max_seq_len": 512, "overlong": "truncate"},
                         "selection": {"budget": 0.5},
                         "train": {"num_workers": 2, "micro_batch_size": 2, "epochs": 2}})
