@@ -96,6 +96,7 @@ def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None)
     counts = {p: count_rows(p) for p in expand_paths(d.paths)} if d.source == "files" else {}
     for path in counts:
         _refuse_unreadable(path, d, limit)
+    empty = [p for p, n in counts.items() if n == 0]  # training files only: the evaluation files are added below
     for path in cfg.evaluation.paths:
         try:
             counts.update({p: count_rows(p) for p in expand_paths([path])})
@@ -121,8 +122,11 @@ def check(cfg: JobConfig, sample_rows: int = 200, n_examples: int = 2, out=None)
             print(f"[ray-cluster-ft] check: {label}{src}: {f['rows'] if f['rows'] is not None else 'demo'} rows; of "
                   f"the first {f['sampled']}: {f['sampled'] - f['rejected']} accepted, {f['rejected']} rejected"
                   + (f" {f['reasons']}" if f["reasons"] else ""), file=out, flush=True)
+    for src in empty:  # nothing to sample, so no line above: say so rather than leave the file out
+        print(f"[ray-cluster-ft] check: {src}: 0 rows (an empty file: nothing from it is trained)", file=out, flush=True)
     if not sample.sources:
-        raise ConfigError("no accepted training examples: the data files hold no rows")
+        raise ConfigError("no accepted training examples: the data files hold no rows"
+                          + (f" ({', '.join(map(str, empty))} empty)" if empty else ""))
     t = sample.train.slice(0, n_examples)
     examples = [marked_text(tok, i, lab) for i, lab in zip(t.column("input_ids").to_pylist(),
                                                             t.column("labels").to_pylist())]

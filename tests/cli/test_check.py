@@ -172,3 +172,13 @@ def test_check_samples_evaluation_files_with_the_same_unused_fields_policy(tmp_p
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     assert main(["check", str(tmp_path / "job.yaml")]) == 2
     assert f"evaluation.paths: data file not found: {tmp_path / 'nope.jsonl'}" in capsys.readouterr().err
+
+
+def test_check_names_an_empty_file_beside_good_ones_and_alone(tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "good.jsonl").write_text(json.dumps({"prompt": "Hi there", "response": "Hello to you."}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["check", str(_spec(tmp_path, tiny_model_dir, [tmp_path / "good.jsonl", tmp_path / "empty.jsonl"]))]) == 0
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'empty.jsonl'}: 0 rows (an empty file" in err and "good.jsonl: 1 rows" in err
+    assert main(["check", str(_spec(tmp_path, tiny_model_dir, [tmp_path / "empty.jsonl"]))]) == 2
+    assert "empty.jsonl empty)" in capsys.readouterr().err
