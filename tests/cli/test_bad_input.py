@@ -475,7 +475,7 @@ def test_module_patterns_are_checked_before_ray(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"train.lora.target_modules: 'q_projj' match no nn.Linear of .*"
                                           r"\(module name suffixes there: .*q_proj"):
         _check_module_patterns(typo, str(tiny_model_dir), need_sketch=False)
-    sketch = parse_config({"sketch": {"modules": ["gate_proj", "mlp.up_proj", "attn_out"]}})
+    sketch = parse_config({"sketch": {"method": "sketch", "modules": ["gate_proj", "mlp.up_proj", "attn_out"]}})
     with pytest.raises(ConfigError, match="sketch.modules: 'attn_out' match no nn.Linear"):
         _check_module_patterns(sketch, str(tiny_model_dir), need_sketch=True)
     _check_module_patterns(sketch, str(tiny_model_dir), need_sketch=False)  # no sketch: not checked

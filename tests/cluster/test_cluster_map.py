@@ -26,7 +26,7 @@ def _features(cfg, model="m1", normalisation=None):
 
 
 def _run(tmp_path, name, x, ids, clustering_cfg, features=None, sketch=None):
-    cfg = parse_config({"clustering": clustering_cfg, "sketch": sketch or {}, "train": {"num_workers": 2}})
+    cfg = parse_config({"clustering": clustering_cfg, "sketch": {"method": "sketch", **(sketch or {})}, "train": {"num_workers": 2}})
     run_dir = tmp_path / name
     prepare_run_dir(run_dir, resume=False)
     out = clustering.run(cfg, run_dir, example_ids=ids, sketches=x,
@@ -186,7 +186,7 @@ def test_select_and_plan_api_reads_the_map_too(old_run):
     from ray_cluster_ft.cluster import cluster_with_config
 
     x, ids, run_dir, res, _ = old_run
-    cfg = parse_config({"clustering": {"from_run": str(run_dir)}, "train": {"num_workers": 2}})
+    cfg = parse_config({"clustering": {"from_run": str(run_dir)}, "sketch": {"method": "sketch"}, "train": {"num_workers": 2}})
     res2, table = cluster_with_config(cfg, ids, x)  # no feature summary: size and settings are still checked
     np.testing.assert_array_equal(res2.labels, res.labels)
     assert table.column("cluster").to_pylist() == res.labels.tolist()

@@ -27,7 +27,7 @@ from ray_cluster_ft.model import make_tiny_model
 from ._helpers import examples as _examples
 from .test_features import _numpy_batch
 
-CFG = SketchConfig(k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
+CFG = SketchConfig(method="sketch", k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
 
 
 @pytest.fixture(scope="module")
@@ -202,9 +202,9 @@ def test_a_job_computes_only_the_rows_the_store_lacks(tiny_dir, tmp_path, ray_cp
 def test_a_small_input_is_cut_so_every_actor_gets_a_shard(ray_cpu):
     from ray_cluster_ft.features.stage import _default_shard_rows
 
-    two = SketchConfig(batch_size=3)  # 2 CPUs: two actors; a full shard is 8 sub-batches of 3 = 24 rows
+    two = SketchConfig(method="sketch", batch_size=3)  # 2 CPUs: two actors; a full shard is 8 sub-batches of 3 = 24 rows
     assert [_default_shard_rows(n, two, False, None) for n in (0, 5, 12, 47, 48, 1000)] == [24, 3, 6, 24, 24, 24]
-    one = SketchConfig(batch_size=3, num_actors=1)
+    one = SketchConfig(method="sketch", batch_size=3, num_actors=1)
     assert [_default_shard_rows(n, one, False, None) for n in (12, 30)] == [12, 24]
 
 
@@ -213,7 +213,7 @@ def test_a_large_input_writes_hundreds_of_shards_not_tens_of_thousands():
     that at most 500 are written, and an input up to 500 default shards keeps the default size."""
     from ray_cluster_ft.features.stage import _default_shard_rows
 
-    cfg = SketchConfig(num_actors=8)
+    cfg = SketchConfig(method="sketch", num_actors=8)
     for n, files in ((10**6, 500), (32_000, 500), (32_001, 493), (100_000, 500), (10_000, 157)):
         rows = _default_shard_rows(n, cfg, False, None)
         assert -(-n // rows) == files, (n, rows)

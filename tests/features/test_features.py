@@ -206,7 +206,7 @@ def _numpy_batch(rows, labels, ids):
 
 
 def test_gradient_sketcher_call(tiny_dir, model32):
-    cfg = SketchConfig(k_in=4, k_out=4, dim=48, batch_size=2, last_blocks=1, seed=4)
+    cfg = SketchConfig(method="sketch", k_in=4, k_out=4, dim=48, batch_size=2, last_blocks=1, seed=4)
     sk = GradientSketcher(str(tiny_dir), cfg.model_dump(), pad_token_id=3, device="cpu")
     rows, labels = _examples([13, 4, 21, 8, 17], [5, 1, 9, 2, 3], seed=9)
     ids = ["e3", "e0", "e4", "e1", "e2"]
@@ -252,7 +252,7 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
     # 12 examples in 3 shards of 4; one actor, so shards run in order and the failure on shard 2 comes after
     # shards 0 and 1 are written. The actor runs in another process than the direct computation below, so
     # equal sketches also show the seeding is portable.
-    cfg = SketchConfig(k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
+    cfg = SketchConfig(method="sketch", k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
     lengths = [5 + (7 * i) % 17 for i in range(12)]
     rows, labels = _examples(lengths, [1 + i % 4 for i in range(12)], seed=12)
     ids = [f"ex{(5 * i) % 12:02d}" for i in range(12)]
@@ -265,11 +265,11 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
     ray.init(**local_ray_kwargs(log_to_driver=False))
     try:
         # Default pool: one actor per CPU, one CPU left free in all for Ray Data's own tasks.
-        assert sketch_mod._actor_resources(SketchConfig(), use_gpu=False) == (2, 0.5)
+        assert sketch_mod._actor_resources(SketchConfig(method="sketch"), use_gpu=False) == (2, 0.5)
         assert sketch_mod._actor_resources(cfg, use_gpu=False) == (1, 1.0)
         # GPU jobs ask for one actor per training worker: an autoscaling cluster starts with no GPUs.
-        assert sketch_mod._actor_resources(SketchConfig(), use_gpu=True, gpu_actors=4) == (4, 0.25)
-        assert sketch_mod._actor_resources(SketchConfig(), use_gpu=True)[0] == 1  # no GPU present, none asked
+        assert sketch_mod._actor_resources(SketchConfig(method="sketch"), use_gpu=True, gpu_actors=4) == (4, 0.25)
+        assert sketch_mod._actor_resources(SketchConfig(method="sketch"), use_gpu=True)[0] == 1  # no GPU present, none asked
         # The interrupted run reads a Ray Dataset, the re-run a table: the same rows give the same shards.
         with pytest.raises(Exception, match="injected failure on shard 2"):
             compute_sketches(ray.data.from_arrow(table_in), str(tiny_dir), cfg, str(out_dir), shard_rows=4,
@@ -321,16 +321,16 @@ def test_shards_are_keyed_by_inputs_and_settings(tiny_dir, tmp_path):
 
     rows, labels = _examples([5, 6, 7, 8, 9], [1, 1, 1, 1, 1])
     t = _examples_table(rows, labels, list("abcde"))
-    fp = sketch_fingerprint(SketchConfig(), str(tiny_dir), use_gpu=False)
+    fp = sketch_fingerprint(SketchConfig(method="sketch"), str(tiny_dir), use_gpu=False)
     shards = plan_shards(t, 2, fp, ["input_ids", "labels"])
     assert [(s.index, s.start, s.stop) for s in shards] == [(0, 0, 2), (1, 2, 4), (2, 4, 5)]
     assert shards == plan_shards(t, 2, fp, ["input_ids", "labels"])  # deterministic
     # Settings that change sketch values change every key; batch sizes and actor counts do not.
-    assert sketch_fingerprint(SketchConfig(batch_size=3, num_actors=2, max_tokens_per_batch=99), str(tiny_dir),
+    assert sketch_fingerprint(SketchConfig(method="sketch", batch_size=3, num_actors=2, max_tokens_per_batch=99), str(tiny_dir),
                               False) == fp
     for change in ({"seed": 1}, {"dim": 128}, {"k_in": 8}, {"last_blocks": 2}, {"dtype": "float32"}):
         assert sketch_fingerprint(SketchConfig(**change), str(tiny_dir), False) != fp, change
-    assert sketch_fingerprint(SketchConfig(), str(tiny_dir), True) != fp
+    assert sketch_fingerprint(SketchConfig(method="sketch"), str(tiny_dir), True) != fp
     # A changed token in shard 1 renames shard 1 only; so does a changed id.
     rows2 = [r.copy() for r in rows]
     rows2[3][0] += 1
@@ -430,7 +430,7 @@ def test_lora_model_sketch_is_exact_and_matches_the_plain_model(model64):
 def test_sketcher_dtype_and_token_cap(tiny_dir):
     rows, labels = _examples([13, 4, 21, 8, 17, 30], [5, 1, 9, 2, 3, 4], seed=9)
     batch = _numpy_batch(rows, labels, [f"e{i}" for i in range(6)])
-    base = SketchConfig(k_in=4, k_out=4, dim=48, batch_size=4, last_blocks=1, seed=4)
+    base = SketchConfig(method="sketch", k_in=4, k_out=4, dim=48, batch_size=4, last_blocks=1, seed=4)
     ref = GradientSketcher(str(tiny_dir), base.model_dump(), device="cpu")(batch)
     # A token cap changes the batching only: sketches agree to float rounding.
     capped = GradientSketcher(str(tiny_dir), base.model_copy(update={"max_tokens_per_batch": 40}).model_dump(),
@@ -508,7 +508,7 @@ def test_prepare_sketch_inputs_proxy_retokenises_and_embedding_text(tiny_dir, tm
 
     # A smaller proxy with the trained tokenizer: the token ids are used as they are.
     proxy = make_tiny_model(tmp_path / "proxy", hidden_size=16, num_layers=1)
-    p1 = prepare_sketch_inputs(train, parse_config({**base, "sketch": {"model": str(proxy)}}), tok)
+    p1 = prepare_sketch_inputs(train, parse_config({**base, "sketch": {"method": "sketch", "model": str(proxy)}}), tok)
     assert p1.model_path == str(proxy) and not p1.retokenized
     assert p1.table.column("labels").to_pylist() == train.column("labels").to_pylist()
 
@@ -518,7 +518,7 @@ def test_prepare_sketch_inputs_proxy_retokenises_and_embedding_text(tiny_dir, tm
     otok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}"
                           "{% if add_generation_prompt %}<|im_start|>assistant: {% endif %}")
     otok.save_pretrained(other)
-    p2 = prepare_sketch_inputs(train, parse_config({**base, "sketch": {"model": str(other)}}), tok)
+    p2 = prepare_sketch_inputs(train, parse_config({**base, "sketch": {"method": "sketch", "model": str(other)}}), tok)
     assert p2.retokenized and p2.model_path == str(other)
     assert p2.table.column("example_id").to_pylist() == train.column("example_id").to_pylist()
     by_id = {example_id(canonicalize(r)): canonicalize(r) for r in raw}
@@ -543,7 +543,7 @@ def test_pipeline_rerun_in_the_same_run_dir_reuses_the_sketch_shards(tmp_path, t
     cfg = parse_config({
         "data": {"source": "demo", "limit": 24, "max_seq_len": 256, "eval_fraction": 0.15, "max_eval": 8},
         "model": {"path": str(tiny_model_dir)},
-        "sketch": {"last_blocks": 1, "k_in": 4, "k_out": 4, "dim": 32, "batch_size": 2, "num_actors": 1},
+        "sketch": {"method": "sketch", "last_blocks": 1, "k_in": 4, "k_out": 4, "dim": 32, "batch_size": 2, "num_actors": 1},
         "clustering": {"k": 3},
         "selection": {"strategy": "balanced", "budget": 0.5},
         "train": {"num_workers": 2, "micro_batch_size": 2, "grad_accum": 1},

@@ -17,7 +17,7 @@ from ray_cluster_ft.model import make_tiny_model
 
 from ._helpers import example_table as _table
 
-CFG = SketchConfig(k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
+CFG = SketchConfig(method="sketch", k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
 
 
 class _NoRay(Exception):
@@ -79,7 +79,7 @@ def _spec(tiny_model_dir, tmp_path, **sketch):
     return parse_config({
         "data": {"paths": [str(path)], "eval_fraction": 0.0},
         "model": {"path": str(tiny_model_dir)},
-        "sketch": {"batch_size": 4, "k_in": 4, "k_out": 4, "dim": 16, **sketch},
+        "sketch": {"method": "sketch", "batch_size": 4, "k_in": 4, "k_out": 4, "dim": 16, **sketch},
         "selection": {"budget": 0.5},
         "train": {"num_workers": 2, "micro_batch_size": 2, "epochs": 1},
         "output": {"dir": str(tmp_path / "run")}})

@@ -120,12 +120,12 @@ def test_the_embedding_reads_the_first_max_tokens_encoder_tokens():
 
 
 def test_config_errors_and_the_gradient_alias(tmp_path):
-    assert SketchConfig(max_tokens=8).max_tokens == 8 and SketchConfig().max_tokens is None
+    assert SketchConfig(method="sketch", max_tokens=8).max_tokens == 8 and SketchConfig(method="sketch").max_tokens is None
     for bad in (7, 0, -1):
         with pytest.raises(ValueError, match="greater than or equal to 8"):
-            SketchConfig(max_tokens=bad)
+            SketchConfig(method="sketch", max_tokens=bad)
     with pytest.raises(ConfigError, match="max_tokens"):
-        parse_config({"sketch": {"max_tokens": 4}})
+        parse_config({"sketch": {"method": "sketch", "max_tokens": 4}})
     assert SketchConfig(method="gradient").method == "sketch"
     spec = tmp_path / "config.yaml"
     spec.write_text("sketch:\n  method: gradient\n  last_blocks: 2\n")
@@ -138,15 +138,15 @@ def test_keys_name_method_pooling_and_max_tokens_and_old_keys_hold(tiny_model_di
     path = str(tiny_model_dir)
     # Whole rows: the settings (and so the shard and store keys) of the LoGra sketch are those written before the
     # rename, whichever name the spec uses.
-    assert feature_settings(SketchConfig()) == {"method": "gradient", **{k: SketchConfig().model_dump()[k] for k in (
+    assert feature_settings(SketchConfig(method="sketch")) == {"method": "gradient", **{k: SketchConfig(method="sketch").model_dump()[k] for k in (
         "modules", "last_blocks", "k_in", "k_out", "dim", "seed", "dtype")}}
-    assert store_key(SketchConfig(method="gradient"), path, False) == store_key(SketchConfig(), path, False)
+    assert store_key(SketchConfig(method="gradient"), path, False) == store_key(SketchConfig(method="sketch"), path, False)
     assert feature_settings(SketchConfig(method="last_layer")) == {"method": "last_layer", "dtype": "auto"}
     assert feature_settings(SketchConfig(method="hidden_mean")) == {"method": "hidden_mean", "pooling": "weighted",
                                                                     "dtype": "auto"}
     assert feature_settings(SketchConfig(method="embedding", max_tokens=64)) == {"method": "embedding",
                                                                                  "max_tokens": 64, "dtype": "auto"}
-    variants = [SketchConfig(), SketchConfig(max_tokens=64), SketchConfig(max_tokens=128),
+    variants = [SketchConfig(method="sketch"), SketchConfig(method="sketch", max_tokens=64), SketchConfig(method="sketch", max_tokens=128),
                 SketchConfig(method="last_layer"), SketchConfig(method="last_layer", max_tokens=64),
                 SketchConfig(method="hidden_mean"), SketchConfig(method="hidden_mean", pooling="mean"),
                 SketchConfig(method="hidden_mean", max_tokens=64)]
