@@ -51,6 +51,7 @@ def _streamed(cfg, run_dir, shards, ids, nt):
     {"selection": {"within": "random", "groups": "auto"}},
     {"selection": {"within": "kcenter", "groups": 3, "budget_tokens": 0.25}},
 ])
+@pytest.mark.slow
 def test_selection_and_plan_of_10k_rows_equal_between_streamed_and_in_memory(ray_cpu, tmp_path, spec):
     n = 10_000
     rng = np.random.default_rng(4)

@@ -99,6 +99,7 @@ def test_compute_features_in_process_matches_the_runs_sketches(plan_only_run, ti
     np.testing.assert_allclose(part.features, feats[:8], rtol=0, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_compute_features_on_ray_is_the_feature_stage(plan_only_run, tiny_model_dir):
     import ray
 

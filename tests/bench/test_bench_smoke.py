@@ -46,12 +46,14 @@ def test_sketch_fidelity_runs(tiny_model_dir, tmp_path):
     assert fig["examples"] >= 2 and "pearson_16" in fig and out.is_file()  # 4 read, the overlong dropped
 
 
+@pytest.mark.slow
 def test_plan_scale_runs(tmp_path):
     out = tmp_path / "ps.json"
     fig = _run("plan_scale.py", "--sizes", "500", "1000", "--out", str(out))
     assert fig["seconds_1e3"] > 0 and "growth_per_10x_1e3" in fig and out.is_file()
 
 
+@pytest.mark.slow
 @needs_data
 def test_plan_goals_runs(tmp_path):
     out = tmp_path / "pg.json"
@@ -67,6 +69,7 @@ def test_plan_goals_runs(tmp_path):
         assert new["collisions_per_step_rows"] == 0 and new["padding_fraction"] == 0 and old["padding_fraction"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_matches_its_references(tiny_model_dir):
     """``--device cpu`` on the tiny model lands near the fp32 CPU references it checks a GPU against."""
     fig = _run("gpu_check.py", "--device", "cpu", "--rows", "2", "--max-len", "64", "--model", str(tiny_model_dir))
@@ -94,11 +97,12 @@ def test_feature_store_runs(tmp_path):
 @needs_data
 def test_paper_setup_runs(tiny_model_dir, tmp_path):
     fig = _run("paper_setup.py", "--setup", "demo-mix", "--quick", "--model", str(tiny_model_dir),
-               "--arms", "full", "ours", "--out", str(tmp_path / "e2e"), timeout=900)
+               "--arms", "ours", "--out", str(tmp_path / "e2e"), timeout=900)
     assert (tmp_path / "e2e" / "report.md").is_file() and (tmp_path / "e2e" / "end_to_end.json").is_file()
     assert "budget_effective" in fig
 
 
+@pytest.mark.slow
 def test_data_throughput_runs(tiny_model_dir, tmp_path):
     out = tmp_path / "dt.json"
     fig = _run("data_throughput.py", "--rows", "300", "--cpus", "2", "--model", str(tiny_model_dir),

@@ -27,6 +27,7 @@ def two_nodes():
         c.shutdown()
 
 
+@pytest.mark.slow
 def test_the_streamed_passes_run_on_the_second_node(two_nodes, tmp_path):
     shards = write_shards(tmp_path, blobs(12_000, seed=7), rows=1_500)
     res, _, nodes = cluster_streamed(shards, 12, 2, seed=1, fit_rows=3_000, minibatch_rows=5_000)

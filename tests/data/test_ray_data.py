@@ -75,6 +75,7 @@ def _same(a, b):
         assert all(list(x[k]) == list(y[k]) for k in x if isinstance(x[k], dict)), name
 
 
+@pytest.mark.slow
 def test_ray_data_path_accepts_and_rejects_exactly_the_same_rows(ray_cpu, pool, demo_tokenizer):
     cfg = DataConfig(paths=[str(pool / "*.jsonl"), str(pool / "c.jsonl.gz"), str(pool / "d.parquet"),
                             str(pool / "e.csv")], max_seq_len=256, eval_fraction=0.05, max_eval=50)
@@ -92,6 +93,7 @@ def test_ray_data_path_accepts_and_rejects_exactly_the_same_rows(ray_cpu, pool, 
     _same(load_examples(limited, demo_tokenizer), load_examples_ray(limited, demo_tokenizer, chunk_bytes=4096))
 
 
+@pytest.mark.slow
 def test_ray_data_path_raises_the_single_process_errors(ray_cpu, tmp_path, demo_tokenizer):
     (tmp_path / "ok.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
     (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "a", "response": "c"}\n' * 50)[:-20])
@@ -106,6 +108,7 @@ def test_ray_data_path_raises_the_single_process_errors(ray_cpu, tmp_path, demo_
         load_examples_ray(cfg, demo_tokenizer)
 
 
+@pytest.mark.slow
 def test_ray_data_path_checks_data_columns_per_file(ray_cpu, tmp_path, demo_tokenizer):
     """A ``data.columns`` source field is looked for in every piece of a file: one that only the last piece has is
     found, one that no piece has is refused with the single-process message."""
@@ -125,6 +128,7 @@ def test_ray_data_path_checks_data_columns_per_file(ray_cpu, tmp_path, demo_toke
         "fields: question, answer, context); see docs/data.md for data.columns")
 
 
+@pytest.mark.slow
 def test_the_stage_switches_to_ray_data_at_data_ray_data_rows(ray_cpu, pool, tmp_path, tiny_model_dir, capsys):
     from ray_cluster_ft.data.stage import run
     from ray_cluster_ft.rundir import prepare_run_dir

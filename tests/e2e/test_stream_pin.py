@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from tests._pins import FILES_FULL_PINNED, assert_full_pins, files_spec, full_pins
+
+pytestmark = pytest.mark.slow  # a local Ray and two pipeline runs
 
 
 def _plan_only(spec: dict, tmp_path, name: str):

@@ -127,6 +127,7 @@ def test_select_folder_is_packed_and_weighted(sel):
     assert not np.allclose(_weights(sel).to_numpy(), 1.0)
 
 
+@pytest.mark.slow
 def test_hf_trainer_example_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path):
     caps, _ = _torchrun("hf_trainer.py", sel, tiny_model_dir, tmp_path)
     plan = pd.read_parquet(sel / "plan.parquet")
@@ -138,6 +139,7 @@ def test_hf_trainer_example_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path
         assert trained["example_id"].tolist() == sum(_micro_batches(plan, r), [])
 
 
+@pytest.mark.slow
 def test_trl_example_replans_on_trls_tokens_and_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path):
     pytest.importorskip("trl")
     caps, _ = _torchrun("trl_sft.py", sel, tiny_model_dir, tmp_path)
@@ -151,6 +153,7 @@ def test_trl_example_replans_on_trls_tokens_and_trains_each_ranks_plan(sel, tiny
     _check_trained_the_plan(caps, plan, tokens, _weights(sel), losses)
 
 
+@pytest.mark.slow
 def test_torch_ddp_example_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path):
     assert json.loads((sel / "manifest.json").read_text())["models"]["model.path"] == str(tiny_model_dir)
     caps, out = _torchrun("torch_ddp.py", sel, None, tmp_path)  # the run's own model, from its manifest
@@ -171,6 +174,7 @@ def test_torch_ddp_example_trains_each_ranks_plan(sel, tiny_model_dir, tmp_path)
     assert float(m[1]) == pytest.approx(losses[max(losses)], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_library_example_runs_from_a_fresh_directory(tiny_model_dir, tmp_path):
     proc = subprocess.run([sys.executable, str(EXAMPLES / "library.py"), "--model", str(tiny_model_dir)],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)

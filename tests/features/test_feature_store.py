@@ -240,6 +240,7 @@ def test_another_seed_or_one_changed_weight_byte_reads_nothing(tiny_dir, tmp_pat
     assert len(list((tmp_path / "store" / "v1").iterdir())) == 3  # three keys side by side, none overwritten
 
 
+@pytest.mark.slow
 def test_few_missing_rows_are_sketched_here_with_the_same_shards_and_values(tiny_dir, tmp_path, ray_cpu):
     from ray_cluster_ft.features import compute_sketches
 

@@ -244,6 +244,7 @@ def _examples_table(rows, labels, ids):
     )
 
 
+@pytest.mark.slow
 def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")

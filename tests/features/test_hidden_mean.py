@@ -130,6 +130,7 @@ def test_config():
     assert parse_config(sketch_cfg).sketch.pooling is None  # a saved config of another method still loads
 
 
+@pytest.mark.slow
 def test_compute_features_in_process_and_on_ray_agree(tiny_model_dir):
     """The same rows through ``compute_features`` without Ray (the sketcher in this process) and with a local Ray
     (:func:`compute_sketches`' actor pool, shards on disk): the same unit features."""

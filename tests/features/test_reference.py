@@ -10,6 +10,7 @@ from bench._common import real_examples, shared_data_dir
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shared_data_dir() is None, reason="the shared data folder is absent")
 def test_sketch_cosines_track_full_gradient_cosines_and_improve_with_dim(demo_tokenizer):
     from ray_cluster_ft.features import select_modules
