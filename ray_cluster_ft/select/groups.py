@@ -9,6 +9,7 @@ import numpy as np
 __all__ = ["cluster_groups", "groups_from_sums", "silhouette_rows", "unit_rows64"]
 
 _MAX_AUTO_GROUPS = 8
+_SUM_CHUNK = 65536  # rows normalised at once: float64 (N, d) copies of 10^6 rows held 4 GiB
 _SILHOUETTE_ROWS = 2048  # rows sampled for the silhouette of ``groups: auto``: O(rows^2) distances
 
 
@@ -39,7 +40,7 @@ def cluster_groups(x, labels, groups, seed: int = 0) -> np.ndarray:
         ValueError: shapes disagree, a cluster is empty, ``groups`` is neither "auto" nor a positive int.
     """
     lab = np.asarray(labels)
-    xa = np.asarray(x, dtype=np.float64)
+    xa = np.asarray(x)  # no float64 copy of all rows: they are normalised a chunk at a time below
     if xa.ndim != 2 or lab.shape != (xa.shape[0],):
         raise ValueError(f"x must be (N, d) and labels (N,), got {xa.shape} and {lab.shape}")
     k = int(lab.max()) + 1 if lab.size else 0
@@ -49,11 +50,11 @@ def cluster_groups(x, labels, groups, seed: int = 0) -> np.ndarray:
     _check_groups(groups)
     if k <= 2 or groups == 1:
         return np.zeros(k, dtype=np.int64)
-    xn = unit_rows64(xa)
     sums = np.zeros((k, xa.shape[1]))
-    np.add.at(sums, lab, xn)
+    for lo in range(0, lab.size, _SUM_CHUNK):  # in row order, as one np.add.at over all rows sums them
+        np.add.at(sums, lab[lo:lo + _SUM_CHUNK], unit_rows64(xa[lo:lo + _SUM_CHUNK]))
     rows = silhouette_rows(lab.size, seed)
-    return groups_from_sums(sums, xn[rows], lab[rows], groups)
+    return groups_from_sums(sums, unit_rows64(xa[rows]), lab[rows], groups)
 
 
 def _check_groups(groups) -> None:

@@ -119,3 +119,27 @@ def test_groups_from_the_sums_and_the_sample_are_the_groups_of_the_rows():
     assert res.groups.tolist() == want.tolist() and np.bincount(want[labels[res.indices]]).tolist() == [50, 50]
     with pytest.raises(ValueError, match="one group per cluster"):
         select("balanced", None, labels, np.zeros(2400), 100, within="random", groups=np.zeros(3, np.int64))
+
+
+def test_cluster_groups_sums_rows_a_chunk_at_a_time_exactly_as_all_at_once(monkeypatch):
+    """Above ``_SUM_CHUNK`` rows :func:`cluster_groups` normalises and sums a chunk at a time (no float64 copy of
+    every row): the per-cluster sums and the silhouette sample it hands on are bit-identical to one ``np.add.at``
+    over all unit rows."""
+    import ray_cluster_ft.select.groups as groups_mod
+    from ray_cluster_ft.select.quotas import silhouette_rows, unit_rows64
+
+    rng = np.random.default_rng(3)
+    n = 2 * groups_mod._SUM_CHUNK + 123
+    labels = rng.integers(0, 5, n)
+    x = (rng.standard_normal((5, 16))[labels] + 0.3 * rng.standard_normal((n, 16))).astype(np.float16)
+    seen = {}
+    real = groups_mod.groups_from_sums
+    monkeypatch.setattr(groups_mod, "groups_from_sums",
+                        lambda s, sample, lab, g: seen.update(sums=s, sample=sample) or real(s, sample, lab, g))
+    got = groups_mod.cluster_groups(x, labels, "auto", seed=1)
+    xn = unit_rows64(x)
+    want_sums = np.zeros((5, 16))
+    np.add.at(want_sums, labels, xn)
+    assert np.array_equal(seen["sums"], want_sums)
+    assert np.array_equal(seen["sample"], xn[silhouette_rows(n, 1)])
+    assert got.tolist() == real(want_sums, xn[silhouette_rows(n, 1)], labels[silhouette_rows(n, 1)], "auto").tolist()
