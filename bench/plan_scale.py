@@ -10,8 +10,10 @@ Each size runs in a fresh subprocess so that its peak RSS (``ru_maxrss``) is its
 stdout, the last line is one JSON object (``seconds_1e4`` ... ``peak_rss_mib_1e6``), and the same object is
 written to ``bench/results/plan_scale.json``.
 
-Every size also runs **streamed** (issue 30): the same synthetic rows written as float16 feature shards of 20,000
-rows to a temporary folder (not timed), then the driver side as a job above ``sketch.stream_rows`` runs it, on a
+Every size also runs **streamed** (issue 30): synthetic rows of the same distribution and seed (drawn shard by
+shard, so not the in-memory run's rows: the two paths' timings compare, their selections do not; the equality
+of the two paths is tests/allocate/test_stream.py's) written as float16 feature shards of 20,000 rows to a
+temporary folder (not timed), then the driver side as a job above ``sketch.stream_rows`` runs it, on a
 local Ray of ``--cpus`` CPUs: ``cluster.stream.run_streamed`` (Ray Data passes over the shards, clusters.parquet
 and centroids.parquet written), ``select.stream.select_streamed`` (Ray tasks per wave of clusters),
 ``allocate.stream.plan_positions`` + ``write_in_parts`` (plan.parquet in parts) and ``plan_metrics``. The
@@ -270,6 +272,10 @@ def main(argv=None) -> dict:
         print(json.dumps(run_streamed(args.one_streamed, args.seed, args.cpus, args.within, args.groups)))
         return {}
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench/ is sys.path[0]
+    from bench._data import machine_info
+
+    machine = machine_info()  # commit, command and load before, so a result file names what it measured
     rows = [(_child("--one", n, args) if n <= args.max_in_memory else None, _child("--one-streamed", n, args))
             for n in args.sizes]
     print(f"load average {os.getloadavg()[0]:.2f}; W={WORLD_SIZE}, micro-batch {MICRO_BATCH}, {EPOCHS} epochs, "
@@ -305,6 +311,7 @@ def main(argv=None) -> dict:
                        f"streamed_over_in_memory_{tag}": ratio, f"streamed_write_shards_s_{tag}": st["write_shards_s"]})
     result["load_average_end"] = os.getloadavg()[0]
     result["selection"] = {"within": args.within, "groups": args.groups}
+    result["machine"] = machine
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

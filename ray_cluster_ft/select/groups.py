@@ -4,6 +4,8 @@ streamed job gathers shard by shard). Pure numpy/scipy; :mod:`.quotas` shares th
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 __all__ = ["cluster_groups", "groups_from_sums", "silhouette_rows", "unit_rows64"]
@@ -110,6 +112,9 @@ def groups_from_sums(sums, sample, sample_labels, groups) -> np.ndarray:
         return rank[raw]
 
     if groups != "auto":
+        if int(groups) > k:  # a user asked for more groups than there are clusters: say so, then cap
+            warnings.warn(f"selection.groups={int(groups)} is more than the {k} clusters: {k} groups (one per "
+                          f"cluster, as flat)", stacklevel=2)
         return cut(min(int(groups), k))
     from sklearn.metrics import silhouette_score
 

@@ -46,7 +46,8 @@ def test_auto_groups_find_the_two_kinds_and_an_int_cuts_the_same_tree():
     assert cluster_groups(x, labels, 2).tolist() == [0, 0, 0, 1]
     assert cluster_groups(x, labels, 1).tolist() == [0, 0, 0, 0]
     assert sorted(set(cluster_groups(x, labels, 4).tolist())) == [0, 1, 2, 3]
-    assert cluster_groups(x, labels, 99).tolist() == cluster_groups(x, labels, 4).tolist()  # capped at k
+    with pytest.warns(UserWarning, match=r"selection.groups=99 is more than the 4 clusters"):
+        assert cluster_groups(x, labels, 99).tolist() == cluster_groups(x, labels, 4).tolist()  # capped at k
     with pytest.raises(ValueError):
         cluster_groups(x, labels, 0)
     with pytest.raises(ValueError):
