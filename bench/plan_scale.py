@@ -42,6 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script, bench/ is sys.path[0]: bench._data needs the repository root
+    sys.path.insert(0, str(REPO))
+
 DIM = 256
 WORLD_SIZE = 8
 MICRO_BATCH = 4
@@ -272,7 +276,6 @@ def main(argv=None) -> dict:
         print(json.dumps(run_streamed(args.one_streamed, args.seed, args.cpus, args.within, args.groups)))
         return {}
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench/ is sys.path[0]
     from bench._data import machine_info
 
     machine = machine_info()  # commit, command and load before, so a result file names what it measured

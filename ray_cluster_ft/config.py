@@ -399,8 +399,7 @@ class SelectionConfig(Section):
                           "spread over many clusters gets no more than a kind held by few); ``auto`` = the number "
                           "of groups (2..8) with the best silhouette of the rows, an integer = that many groups "
                           "(average linkage of the cluster centroids by cosine; more than the clusters warns and "
-                          "takes one group per cluster); null = flat: every cluster one "
-                          "share")
+                          "takes one group per cluster); null = flat: every cluster one share")
     budget_tokens: float | None = Field(
         None, gt=0, description="budget in tokens instead of examples: a fraction in (0, 1] of all candidate tokens, "
                                 "or a count if > 1; null = selection.budget counts examples. balanced water-fills token "
