@@ -172,9 +172,8 @@ def _toy_model():
 
 def _gloo_worker(rank: int, world: int, store: str, run_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    # A file rendezvous, not a TCP port picked ahead of time: under xdist another worker's Ray can take that port
-    # between the pick and the bind, and CI once hung here for the whole 900 s. The timeout turns any other stall
-    # into an error.
+    # A file rendezvous, not a TCP port picked ahead of time (under xdist another worker's Ray can take that port
+    # between the pick and the bind); the timeout turns a stalled collective into an error.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
@@ -199,7 +198,7 @@ def _gloo_worker(rank: int, world: int, store: str, run_dir: str, out_dir: str) 
                 loss = micro_batch_loss(model(batch["input_ids"]), batch["labels"], mw, world_size=world)
                 loss.backward()
             loss_sum += loss.detach() / world
-        grads = {k: p.grad.clone() for k, p in model.module.named_parameters()}
+        grads = {k: p.grad for k, p in model.module.named_parameters()}
         torch.save({"grads": grads, "loss": loss_sum}, f"{out_dir}/step0_rank{rank}.pt")
         Path(f"{out_dir}/ids_rank{rank}.json").write_text(json.dumps({"batches": seen, "len": len(sampler)}))
         # The DDP model goes before the process group, and no Python-owned tensor goes through a collective: torch
