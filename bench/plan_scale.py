@@ -1,10 +1,11 @@
-"""Time and peak memory of the driver's decisions (cluster + select + allocate) at 10^4..10^6 examples.
+"""Time and peak memory of the driver's decisions (cluster + select + allocate) at 10^4..10^7 examples.
 
 Synthetic sketches: a mixture of ``n_blobs`` Gaussian blobs on the unit sphere in dimension 256 (so k-means
 has structure to find), token lengths lognormal around 200 (clipped to 8..4096). The stages run as the
-pipeline runs them: ``cluster_sketches(k="auto")``, ``select("balanced", budget=31%, within="kcenter")``,
+pipeline runs them: ``cluster_sketches(k="auto")``, ``select("balanced", budget=31%)``,
 ``make_plan(cluster, W=8, micro-batch 4, 3 epochs)`` and ``plan_metrics``. ``--within`` and ``--groups`` set the
-selection's ``selection.within`` and ``selection.groups`` on both paths (default: k-center, flat).
+selection's ``selection.within`` and ``selection.groups`` on both paths (default: the package's defaults, a random
+sample in each cluster and ``groups: auto``; ``--within kcenter --groups none`` was the default before issue 31).
 
 Each size runs in a fresh subprocess so that its peak RSS (``ru_maxrss``) is its own. The table goes to
 stdout, the last line is one JSON object (``seconds_1e4`` ... ``peak_rss_mib_1e6``), and the same object is
@@ -41,6 +42,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from ray_cluster_ft.config import SelectionConfig
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script, bench/ is sys.path[0]: bench._data needs the repository root
@@ -261,10 +264,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpus", type=int, default=2, help="CPUs of the streamed run's local Ray")
     ap.add_argument("--max-in-memory", type=int, default=1_000_000, help="larger sizes run streamed only")
-    ap.add_argument("--within", default="kcenter", choices=["kcenter", "strata", "random", "peripheral", "central"],
-                    help="selection.within of both paths")
-    ap.add_argument("--groups", type=_groups, default=None,
-                    help="selection.groups of both paths: none (flat, the default), auto, or a count")
+    sel = SelectionConfig()
+    ap.add_argument("--within", default=sel.within, choices=["kcenter", "strata", "random", "peripheral", "central"],
+                    help=f"selection.within of both paths (default: the package's, {sel.within})")
+    ap.add_argument("--groups", type=_groups, default=sel.groups,
+                    help=f"selection.groups of both paths: none (flat), auto, or a count (default: {sel.groups})")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child mode: run one size, print its JSON
     ap.add_argument("--one-streamed", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "plan_scale.json")

@@ -253,14 +253,14 @@ class SketchConfig(Section):
                                "that size starts no Ray at all; 0 = always the pool")
     stream_rows: int | None = Field(
         1_000_000, ge=1, description="above this many candidates the features stay in their shards and are never "
-                                     "gathered into one array on the driver: clustering (assignment, distances, "
-                                     "per-cluster sums), the within-cluster choice and the plan stream over the "
-                                     "shards through Ray (docs/operations.md, 'Large pools'); null = always in memory")
+                                     "gathered into one array on the driver: clustering and the within-cluster "
+                                     "choice read the shards in Ray tasks; the plan needs no feature (docs/"
+                                     "operations.md, 'Large pools': what stays in memory); null = always in memory")
     shard_dtype: Literal["auto", "float16", "float32"] = Field(
         "auto", description="the float type of the feature shards on disk (recorded in each shard's Arrow type): "
                             "``auto`` = float16 above stream_rows (half the disk and reads; a cosine moves by "
-                            "about 1e-3), float32 at or below it, so small runs keep their exact features; "
-                            "compute stays float32 either way")
+                            "about 1e-3; rows out of float16's range are refused), float32 at or below it and "
+                            "with a sketch.store, so small runs keep their exact features; compute stays float32")
     store: str | None = Field(
         None, min_length=1, description="content-addressed feature store shared by jobs (a local path, s3://, gs://: "
                                         "any pyarrow filesystem): rows whose features it holds for these settings, "

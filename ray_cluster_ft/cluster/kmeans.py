@@ -62,7 +62,8 @@ cost minutes on a few cores; mini-batches keep the fit near-linear with a small 
 _AUTO_K_MAX = 100
 
 
-_RESTART_ROWS = 10_000
+# At or below this many rows the spherical k-means restarts three times (cheap there, and steadier).
+RESTART_ROWS = 10_000
 
 
 _INIT_ROWS = 16_384  # rows sampled for the k-means++ initialisation
@@ -206,7 +207,7 @@ def spherical_kmeans(x, k: int, seed: int = 0, fit_rows: int = FIT_ROWS,
     # Restarts are cheap up to 10^4 rows and buy stability there; above, one start is as good in practice.
     sample, sampled = fit_sample_rows(n, k, seed, fit_rows, minibatch_rows)
     x_init = xn[sample].astype(np.float64)
-    n_init = 3 if n <= _RESTART_ROWS else 1
+    n_init = 3 if n <= RESTART_ROWS else 1
     if sampled is not None and n_init == 1:
         # The streamed clustering's fit (ray_cluster_ft.cluster.stream): the same samples, the same centres.
         centres = sampled_centres(x_init, xn[sampled], k, seed)

@@ -7,7 +7,8 @@ pass over the rows is a Ray Data ``map_batches`` over the shards, one CPU task p
 (:mod:`ray_cluster_ft.cluster.passes`): validation and the samples, assignment and float64 cluster sums, the merge
 of small clusters' rows, the distances. The driver holds per-row scalars only (labels, distances: 8 bytes a row)
 and the (k, d) sums. Jobs of at most max(``MINIBATCH_THRESHOLD``, ``FIT_ROWS``) rows, whose in-memory fit sees
-every row, gather every row (at most 200k rows) and run the in-memory clustering itself.
+every row, gather every row (at most 200k rows) and run the in-memory clustering itself, and so do jobs of at most
+``RESTART_ROWS`` (10^4) rows, where the in-memory fit restarts three times.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .kmeans import FIT_ROWS, MINIBATCH_THRESHOLD, ClusterResult, cluster_sketches, fit_sample_rows, resolve_k, sampled_centres
+from .kmeans import FIT_ROWS, MINIBATCH_THRESHOLD, RESTART_ROWS, ClusterResult, cluster_sketches, fit_sample_rows, resolve_k, sampled_centres
 from .passes import assign_part, centroids_from_parts, check_part, distance_part, merge_plan, relabel_part, unit_part
 
 __all__ = ["cluster_streamed", "run_streamed", "shard_pass"]
@@ -159,7 +160,7 @@ def cluster_streamed(shards, k="auto", world_size: int = 1, seed: int = 0, min_c
     kk = _check_k(resolve_k(k, n, world_size), n)
     nodes: dict = {}
     init_rows, fit = fit_sample_rows(n, kk, seed, fit_rows, minibatch_rows)
-    if fit is None or n <= 10_000:  # the in-memory fit sees every row (or restarts): it gets every row
+    if fit is None or n <= RESTART_ROWS:  # the in-memory fit sees every row, or restarts: only all rows match it
         x, _ = _gather(shards, np.arange(n), nodes)
         res = cluster_sketches(x, kk, world_size, seed, min_cluster_size, fit_rows=fit_rows,
                                minibatch_rows=minibatch_rows)

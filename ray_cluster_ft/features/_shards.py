@@ -16,10 +16,26 @@ if TYPE_CHECKING:  # pragma: no cover
 def _to_arrow(batch: dict[str, np.ndarray], dtype: str = "float32"):
     """Numpy sketch batch -> Arrow table whose ``sketch`` is a plain ``fixed_size_list<float32>[dim]``, or
     ``fixed_size_list<halffloat>[dim]`` for ``dtype="float16"`` (readable by any Parquet reader, no Ray extension
-    type; the list's value type records the dtype)."""
+    type; the list's value type records the dtype).
+
+    Raises:
+        ValueError: ``dtype="float16"`` and a row does not fit float16 (an entry above 65,504, or so small that the
+            row's norm moves by more than 1%: unnormalised gradient sketches can be either); the message names
+            ``sketch.shard_dtype: float32``.
+    """
     import pyarrow as pa
 
     sk = np.ascontiguousarray(batch["sketch"], dtype=np.float16 if dtype == "float16" else np.float32)
+    if dtype == "float16":
+        with np.errstate(over="ignore", invalid="ignore"):
+            before = np.linalg.norm(np.asarray(batch["sketch"], dtype=np.float32), axis=1)
+            after = np.linalg.norm(sk.astype(np.float32), axis=1)
+            bad = ~(np.abs(after - before) <= 0.01 * before)
+        if bad.any():
+            j = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{int(bad.sum())} feature rows do not fit float16 (row {str(batch['example_id'][j])!r}: "
+                             f"norm {before[j]:.3g}, largest entry {np.abs(batch['sketch'][j]).max():.3g}); set "
+                             "sketch.shard_dtype: float32")
     return pa.table(
         {
             "example_id": pa.array(np.asarray(batch["example_id"]).astype(str), type=pa.string()),

@@ -1,8 +1,10 @@
 """A streamed job (features left in their shards: clustering in Ray Data tasks, the within-cluster choice in Ray
 tasks a few clusters at a time, the plan made over positions and written in parts) writes the same
-``clusters.parquet``, ``selection.parquet`` and ``plan.parquet`` as the in-memory stages, at 10^4 rows."""
+``clusters.parquet``, ``selection.parquet`` and ``plan.parquet`` as the in-memory stages, at 1.2 x 10^4 rows."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pandas as pd
@@ -11,6 +13,8 @@ import pytest
 
 from ray_cluster_ft import allocate, cluster, select
 from ray_cluster_ft.allocate.stream import run_streamed as allocate_streamed
+from ray_cluster_ft.cluster import stage as cluster_stage
+from ray_cluster_ft.cluster import stream as cluster_stream
 from ray_cluster_ft.cluster.stream import run_streamed as cluster_streamed
 from ray_cluster_ft.config import parse_config
 from ray_cluster_ft.features import read_shard
@@ -30,6 +34,7 @@ def _in_memory(cfg, run_dir, shards, ids, nt):
 
 def _streamed(cfg, run_dir, shards, ids, nt):
     cl = cluster_streamed(cfg, run_dir, shards=shards, example_ids=pa.array(ids))
+    assert cl.summary["nodes"], "the clustering gathered the rows instead of streaming them"
     sel, nodes = select_streamed(cfg, shards, cl.labels, cl.dist, n_tokens=nt, wave_bytes=200_000)
     # several waves of clusters, each a task; the distance orders and random read no feature, so no task; the
     # groups take one pass of tasks (2 per CPU) of their own
@@ -52,12 +57,18 @@ def _streamed(cfg, run_dir, shards, ids, nt):
     {"selection": {"within": "kcenter", "groups": 3, "budget_tokens": 0.25}},
 ])
 @pytest.mark.slow
-def test_selection_and_plan_of_10k_rows_equal_between_streamed_and_in_memory(ray_cpu, tmp_path, spec):
-    n = 10_000
+def test_selection_and_plan_of_12k_rows_equal_between_streamed_and_in_memory(ray_cpu, tmp_path, spec, monkeypatch):
+    # Both paths fit k-means on a 3,000-row sample (FIT_ROWS, 2 x 10^5, in a real job), so the streamed assignment,
+    # sums and distances run in Ray tasks over the shards as at 10^7; at 10^4 rows or fewer the in-memory fit
+    # restarts and the streamed stage gathers every row instead.
+    small_fit = {"fit_rows": 3_000, "minibatch_rows": 5_000}
+    for module, name in ((cluster_stream, "cluster_streamed"), (cluster_stage, "cluster_sketches")):
+        monkeypatch.setattr(module, name, functools.partial(getattr(module, name), **small_fit))
+    n = 12_000
     rng = np.random.default_rng(4)
     nt = np.clip(np.round(rng.lognormal(np.log(120), 0.6, n)), 8, 1024).astype(np.int64)
     (tmp_path / "shards").mkdir()
-    shards = write_shards(tmp_path / "shards", blobs(n, d=32, centres=20, seed=3), rows=1_250, n_tokens=nt)
+    shards = write_shards(tmp_path / "shards", blobs(n, d=32, centres=20, seed=3), rows=1_500, n_tokens=nt)
     ids = np.asarray([f"ex{j:06d}" for j in range(n)])
     base = {"train": {"num_workers": 4, "micro_batch_size": 2, "epochs": 2}, "sketch": {"stream_rows": 100}, **spec}
     cfg = parse_config(base)

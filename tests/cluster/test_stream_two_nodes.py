@@ -1,5 +1,6 @@
 """On a two-node local Ray whose head has no CPUs, the streamed clustering's shard tasks and the streamed
-selection's wave tasks all run on the second node (the tasks report the node they ran on)."""
+selection's tasks (the groups pass and the k-center waves) all run on the second node (the tasks report the node
+they ran on)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_the_streamed_passes_run_on_the_second_node(two_nodes, tmp_path):
     shards = write_shards(tmp_path, blobs(12_000, seed=7), rows=1_500)
     res, _, nodes = cluster_streamed(shards, 12, 2, seed=1, fit_rows=3_000, minibatch_rows=5_000)
     assert nodes == {two_nodes: 8 * 3}  # 8 shards x (check, assign, distance), none on the head
-    cfg = parse_config({"train": {"num_workers": 2}})
+    # k-center reads features, so its clusters go to Ray tasks in waves (100 kB: several); groups auto adds a pass
+    cfg = parse_config({"train": {"num_workers": 2}, "selection": {"within": "kcenter", "groups": "auto"}})
     _, sel_nodes = select_streamed(cfg, shards, res.labels, res.dist, wave_bytes=100_000)
-    assert set(sel_nodes) == {two_nodes} and sum(sel_nodes.values()) >= 2
+    assert set(sel_nodes) == {two_nodes} and sum(sel_nodes.values()) >= 2 * 2 + 3  # groups: 2 a CPU; waves: >= 3
     assert np.bincount(res.labels).min() >= 2

@@ -76,3 +76,16 @@ def test_a_job_above_the_threshold_writes_float16_shards_of_the_same_features(ti
     half = np.concatenate([read_shard(f)["sketch"] for f in fs.files])  # shard order = input order
     np.testing.assert_allclose(half, exact, rtol=2e-3, atol=1e-4)
     np.testing.assert_array_equal(half, exact.astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("scale, why", [(1e5, "overflow"), (1e-8, "underflow")])
+def test_rows_float16_cannot_hold_are_refused_with_the_setting_that_keeps_them(scale, why):
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    x[2] *= scale  # one row out of float16's range (max 65,504; smallest subnormal 6e-8)
+    batch = {"example_id": np.asarray(["a", "b", "c", "d"]), "sketch": x, "loss": np.zeros(4, np.float32),
+             "n_tokens": np.ones(4, np.int64)}
+    with pytest.raises(ValueError, match=r"1 feature rows do not fit float16 \(row 'c'.*sketch.shard_dtype: float32"):
+        _to_arrow(batch, "float16")
+    assert _to_arrow(batch, "float32").num_rows == 4  # float32 keeps them
+    x[2] = 0.0  # an all-zero row fits (the clustering refuses it later, by name)
+    assert _to_arrow(batch, "float16").num_rows == 4
