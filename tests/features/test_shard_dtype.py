@@ -87,5 +87,7 @@ def test_rows_float16_cannot_hold_are_refused_with_the_setting_that_keeps_them(s
     with pytest.raises(ValueError, match=r"1 feature rows do not fit float16 \(row 'c'.*sketch.shard_dtype: float32"):
         _to_arrow(batch, "float16")
     assert _to_arrow(batch, "float32").num_rows == 4  # float32 keeps them
-    x[2] = 0.0  # an all-zero row fits (the clustering refuses it later, by name)
+    x[2] = 0.0  # an all-zero row fits (the clustering refuses it later, by name), and so does a NaN row (the same)
+    assert _to_arrow(batch, "float16").num_rows == 4
+    x[2] = np.nan
     assert _to_arrow(batch, "float16").num_rows == 4
