@@ -25,7 +25,8 @@ def _to_arrow(batch: dict[str, np.ndarray], dtype: str = "float32"):
     """
     import pyarrow as pa
 
-    sk = np.ascontiguousarray(batch["sketch"], dtype=np.float16 if dtype == "float16" else np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing float16 row is refused below, by name
+        sk = np.ascontiguousarray(batch["sketch"], dtype=np.float16 if dtype == "float16" else np.float32)
     if dtype == "float16":
         with np.errstate(over="ignore", invalid="ignore"):
             before = np.linalg.norm(np.asarray(batch["sketch"], dtype=np.float32), axis=1)

@@ -78,8 +78,8 @@ def test_a_job_above_the_threshold_writes_float16_shards_of_the_same_features(ti
     np.testing.assert_array_equal(half, exact.astype(np.float16).astype(np.float32))
 
 
-@pytest.mark.parametrize("scale, why", [(1e5, "overflow"), (1e-8, "underflow")])
-def test_rows_float16_cannot_hold_are_refused_with_the_setting_that_keeps_them(scale, why):
+@pytest.mark.parametrize("scale", [1e5, 1e-8], ids=["overflow", "underflow"])
+def test_rows_float16_cannot_hold_are_refused_with_the_setting_that_keeps_them(scale):
     x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
     x[2] *= scale  # one row out of float16's range (max 65,504; smallest subnormal 6e-8)
     batch = {"example_id": np.asarray(["a", "b", "c", "d"]), "sketch": x, "loss": np.zeros(4, np.float32),
