@@ -191,9 +191,9 @@ class SketchConfig(Section):
     """
 
     method: Literal["sketch", "embedding", "last_layer", "hidden_mean"] = Field(
-        "hidden_mean", description="``hidden_mean`` (the default: with the next keys' defaults, the combination that "
-                              "lost least to a random subset in bench/end_to_end.py; docs/benchmarks.md): "
-                              "see below; ``sketch``: the LoGra sketch of the chosen modules' per-example gradients (``gradient``, "
+        "embedding", description="``embedding`` (the default: with the next keys' defaults, the lowest held-out "
+                              "loss of bench/end_to_end.py's ablations at 0.02 of full training's time; docs/"
+                              "benchmarks.md): see below; ``sketch``: the LoGra sketch of the chosen modules' per-example gradients (``gradient``, "
                               "its former name, is read as ``sketch``); ``last_layer``: the published last-layer "
                               "gradient proxy; ``hidden_mean``: the RDS+ feature (Ivison et al. 2025), the sketch "
                               "model's final hidden state pooled over the row's tokens (prompt and response), one "

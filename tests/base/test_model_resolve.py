@@ -159,7 +159,8 @@ def test_the_sketch_inputs_name_the_resolved_folder(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     cfg, resolved = resolve_models(parse_config({"output": {"dir": "run"}, "data": {"max_seq_len": 128},
-                                                 "model": {"cache_dir": ".model-cache"}}))
+                                                 "model": {"cache_dir": ".model-cache"},
+                                                 "sketch": {"method": "hidden_mean"}}))
     tok = load_tokenizer(cfg.model.path)
     train = load_examples(cfg.data, tok).train
     sk = prepare_sketch_inputs(train, cfg, tok)

@@ -57,17 +57,17 @@ def test_every_arm_parses_and_differs_only_in_its_keys(e2e, tmp_path):
     assert cfgs["paper"].preset == "cluster-paper" and cfgs["paper"].clustering.seed != 1  # the preset's seed
     ours_cfg = cfgs["ours"]  # the package's defaults since issue 31
     assert (ours_cfg.sketch.method, ours_cfg.selection.groups, ours_cfg.selection.within,
-            ours_cfg.train.loss_weighting) == ("hidden_mean", "auto", "random", "none")
+            ours_cfg.train.loss_weighting) == ("embedding", "auto", "random", "none")
     old = cfgs["old_defaults"]
     assert (old.sketch.method, old.selection.groups, old.selection.within, old.train.loss_weighting) == \
         ("sketch", None, "kcenter", "cluster")
     ours = ours_cfg.model_dump()
-    for arm in ("sketch", "embedding", "within_kcenter", "max_tokens_128", "flat", "weighted"):
+    for arm in ("sketch", "hidden_mean", "within_kcenter", "max_tokens_128", "flat", "weighted"):
         diff = {(s, k) for s, sec in cfgs[arm].model_dump().items() if isinstance(sec, dict)
                 for k, v in sec.items() if ours[s][k] != v and not (s == "output" and k == "dir")}
-        # leaving hidden_mean drops its pooling too
-        assert len(diff) == 1 or (arm in ("sketch", "embedding") and diff == {("sketch", "method"),
-                                                                            ("sketch", "pooling")}), (arm, diff)
+        # hidden_mean brings its pooling
+        assert len(diff) == 1 or (arm == "hidden_mean" and diff == {("sketch", "method"), ("sketch", "pooling")}), \
+            (arm, diff)
     for cfg in cfgs.values():  # every arm scores each epoch on the same files, features in one store
         assert cfg.evaluation.every_epoch and cfg.evaluation.paths == ["e.jsonl"]
         assert cfg.sketch.store == str(tmp_path / "natural" / "features") and cfg.sketch.seed == 0
@@ -80,7 +80,9 @@ def test_the_schedule_runs_ours_first_full_once_and_the_frontier_last(e2e):
         for seed in (0, 1, 2):
             arms = [a for p, s, a in order if (p, s) == (pool, seed) and a in e2e.HEADLINE]
             assert arms[0] == "ours" and ("full" in arms) == (seed == 0)
-    assert Counter(a for p, s, a in order if a in e2e.ABLATIONS)["within_kcenter"] == 2  # --ablation-seeds 2
+    runs = Counter(a for p, s, a in order if a in e2e.ABLATIONS)
+    assert runs["within_kcenter"] == runs["hidden_mean"] == 2  # --ablation-seeds 2
+    assert "embedding" not in runs  # the default's own keys: it would repeat ours
     assert [a for _, _, a in order[-4:]] == ["ours@0.2", "random_subset@0.2", "ours@0.5", "random_subset@0.5"]
 
 
@@ -91,7 +93,7 @@ def test_ours_can_be_a_candidate_default_written_as_keys(e2e, tmp_path):
     cfg = parse_config(e2e.arm_config("ours", args, "natural", 0, ["a.jsonl"], ["e.jsonl"], tmp_path / "o"))
     assert cfg.sketch.method == "sketch" and cfg.selection.within == "kcenter" and cfg.selection.groups is None
     plain = parse_config(e2e.arm_config("defaults", args, "natural", 0, ["a.jsonl"], ["e.jsonl"], tmp_path / "d"))
-    assert plain.sketch.method == parse_config({"data": {"source": "demo"}}).sketch.method == "hidden_mean"
+    assert plain.sketch.method == parse_config({"data": {"source": "demo"}}).sketch.method == "embedding"
     arms = [a for _, _, a in e2e.schedule(args)]
     assert "old_defaults" not in arms and arms.count("defaults") == 2
     doc = e2e.summarise(args, {})

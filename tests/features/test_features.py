@@ -499,7 +499,7 @@ def test_prepare_sketch_inputs_proxy_retokenises_and_embedding_text(tiny_dir, tm
     raw = _write_rows(tmp_path / "rows.jsonl", 6)
     base = {"data": {"source": "files", "paths": [str(tmp_path / "rows.jsonl")], "eval_fraction": 0.0,
                      "max_seq_len": 128}, "model": {"path": str(tiny_dir)}}
-    cfg = parse_config(base)
+    cfg = parse_config({**base, "sketch": {"method": "hidden_mean"}})
     tok = load_tokenizer(str(tiny_dir))
     train = load_examples(cfg.data, tok).train
     assert train.num_rows == 6

@@ -113,8 +113,9 @@ def test_the_lm_head_is_never_called(tiny_model_dir, model32):
 def test_config():
     assert SketchConfig(method="hidden_mean").pooling == "weighted"
     assert SketchConfig(method="hidden_mean", pooling="mean").pooling == "mean"
-    # hidden_mean is the default (issue 31): its pooling is filled in for a spec that names no method too
-    assert SketchConfig().method == "hidden_mean" and parse_config({}).sketch.pooling == "weighted"
+    # embedding is the default (issue 31's ablations), which pools nothing: a spec that names no method has none
+    assert SketchConfig().method == "embedding" and parse_config({}).sketch.pooling is None
+    assert parse_config({"sketch": {"method": "hidden_mean"}}).sketch.pooling == "weighted"
     assert SketchConfig(method="sketch").pooling is None
     assert SketchConfig(method="hidden_mean", warmup_steps=2).warmup_steps == 2
     for method in ("sketch", "last_layer", "embedding"):
@@ -125,7 +126,7 @@ def test_config():
     # A saved config of hidden_mean says which pooling ran, and loads again.
     dumped = parse_config({"sketch": {"method": "hidden_mean"}}).model_dump(mode="json")
     assert dumped["sketch"]["pooling"] == "weighted" and parse_config(dumped).sketch.pooling == "weighted"
-    assert parse_config(parse_config({}).model_dump(mode="json")).sketch.pooling == "weighted"
+    assert parse_config(parse_config({}).model_dump(mode="json")).sketch.pooling is None
     sketch_cfg = parse_config({"sketch": {"method": "sketch"}}).model_dump(mode="json")
     assert parse_config(sketch_cfg).sketch.pooling is None  # a saved config of another method still loads
 

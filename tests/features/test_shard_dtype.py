@@ -18,7 +18,7 @@ from ray_cluster_ft.model import make_tiny_model
 
 from ._helpers import example_table as _table
 
-CFG = SketchConfig(k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
+CFG = SketchConfig(method="sketch", k_in=4, k_out=4, dim=32, batch_size=3, last_blocks=1, seed=7, num_actors=1)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ def test_warmup_sample_and_plan():
     ids = np.asarray([f"x{i:03d}" for i in range(200)])
     nt = np.arange(200) % 50 + 10
     tcfg = TrainConfig(num_workers=2, micro_batch_size=2, grad_accum=2)
-    scfg = SketchConfig(warmup_steps=5, warmup_fraction=0.1, seed=3)
+    scfg = SketchConfig(method="hidden_mean", warmup_steps=5, warmup_fraction=0.1, seed=3)
     plan = warmup_plan(ids, nt, tcfg, scfg)
     assert check_plan(plan, 2, 2, 2) == 5
     assert plan["example_id"].nunique() == 16 and set(plan["example_id"]) <= set(ids)  # 20 rows -> 16, 2 epochs
