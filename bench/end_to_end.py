@@ -85,6 +85,9 @@ ARMS = {
     "within_peripheral": ("selection.within: peripheral", {"selection": {"within": "peripheral"}}),
     "max_tokens_128": ("sketch.max_tokens: 128", {"sketch": {"max_tokens": 128}}),
     "flat": ("selection.groups: null (every cluster one share)", {"selection": {"groups": None}}),
+    # Square-root shares: between balance and the pool's mix (a source spread over many clusters, or one dense
+    # templated cluster, keeps more of its size).
+    "sqrt_quotas": ("selection.size_power: 0.5", {"selection": {"size_power": 0.5}}),
     "weighted": ("train.loss_weighting: cluster", {"train": {"loss_weighting": "cluster"}}),
     # The defaults before issue 31, all four keys at once.
     "old_defaults": ("sketch, k-center, flat quotas, cluster weights (the defaults before issue 31)",
@@ -95,7 +98,7 @@ ARMS = {
 }
 HEADLINE = ["ours", "random_subset", "random_tokens", "paper", "full"]
 ABLATIONS = ["defaults", "hidden_mean", "sketch", "last_layer", "embedding", "within_kcenter", "within_peripheral",
-             "max_tokens_128", "flat", "weighted", "old_defaults"]
+             "max_tokens_128", "flat", "sqrt_quotas", "weighted", "old_defaults"]
 FRONTIER_BUDGETS = (0.2, 0.5)  # and --budget (0.31): ours and random_subset, natural, seed 0
 SELECTION_PASS = ("sketch", "cluster", "select", "allocate")
 QUICK = {"candidates": 30, "eval_rows": 6, "epochs": 2, "seeds": [0], "max_seq_len": 128}

@@ -373,19 +373,16 @@ class SelectionConfig(Section):
 
     strategy: Literal["balanced", "random", "full", "equalize"] = Field(
         "balanced", description="``balanced`` (the method: water-filled quotas per cluster at ``budget``), "
-                                "``equalize`` (the published selection: every cluster cut to floor(``ratio`` x "
-                                "smallest cluster), no rounding to the micro-batch, one cluster kept whole; "
-                                "``budget`` unused), "
-                                "``random`` (a seeded subset of the same budget), ``full`` (every candidate)")
-    budget: float = Field(0.31, gt=0, description="fraction in (0, 1] of the candidates (1 = all), or a count of "
-                                                "examples if > 1")
+        "``equalize`` (the published selection: every cluster cut to floor(``ratio`` x smallest cluster), no rounding "
+        "to the micro-batch, one cluster kept whole; ``budget`` unused), ``random`` (a seeded subset of the same "
+        "budget), ``full`` (every candidate)")
+    budget: float = Field(0.31, gt=0, description="fraction in (0, 1] of the candidates (1 = all), or a count if > 1")
     within: Literal["kcenter", "strata", "peripheral", "central", "random"] = Field(
         "random", description="order of a cluster's members for balanced and equalize: ``random`` (seeded: a "
-                              "stratified sample of the cluster; the default, see sketch.method), "
-                              "``kcenter`` (greedy "
-                               "farthest-point, from the member nearest the centroid), ``strata`` (one seeded pick "
-                               "per distance stratum), ``peripheral`` (farthest from the centroid first: the "
-                               "published default), ``central`` (nearest first)")
+                              "stratified sample of the cluster; the default, see sketch.method), ``kcenter`` (greedy "
+                              "farthest-point, from the member nearest the centroid), ``strata`` (one seeded pick per "
+                              "distance stratum), ``peripheral`` (farthest from the centroid first: the published "
+                              "default), ``central`` (nearest first)")
     dedup_threshold: float = Field(0.995, gt=0, le=1.0, description="cosine above which two sketches are duplicates "
                                                                     "(kcenter and strata reach them last; 1 = off)")
     seed: int = seed_field("selection seed")
@@ -400,12 +397,14 @@ class SelectionConfig(Section):
                           "of groups (2..8) with the best silhouette of the rows, an integer = that many groups "
                           "(average linkage of the cluster centroids by cosine; more than the clusters warns and "
                           "takes one group per cluster); null = flat: every cluster one share")
-    budget_tokens: float | None = Field(
-        None, gt=0, description="budget in tokens instead of examples: a fraction in (0, 1] of all candidate tokens, "
-                                "or a count if > 1; null = selection.budget counts examples. balanced water-fills token "
-                                "quotas per cluster and takes members in pick order while they fit, random takes "
-                                "shuffled rows while they fit; refused with full and equalize and beside a budget "
-                                "other than the default (manifest: counts.tokens_selected, tokens_selected_share)")
+    size_power: float = Field(0.0, ge=0.0, le=1.0, description="balanced only: each group's and each cluster's share "
+        "of the budget in proportion to its size ** size_power (then water-filled): 0 = equal shares, 0.5 = square-root "
+        "sampling, 1 = the pool's own mix (a stratified sample)")
+    budget_tokens: float | None = Field(None, gt=0, description="budget in tokens instead of examples: a fraction in "
+        "(0, 1] of all candidate tokens, or a count if > 1; null = selection.budget counts examples. balanced "
+        "water-fills token quotas per cluster and takes members in pick order while they fit, random takes shuffled "
+        "rows while they fit; refused with full and equalize and beside a budget other than the default (manifest: "
+        "counts.tokens_selected, tokens_selected_share)")
 
     @field_validator("groups")
     @classmethod
@@ -432,8 +431,9 @@ class SelectionConfig(Section):
         if self.budget_tokens is not None and self.budget != default["budget"].default:
             raise ValueError(f"selection.budget ({self.budget}) and selection.budget_tokens ({self.budget_tokens}) "
                              "both set: budget_tokens replaces budget; keep one")
-        if self.groups not in (None, default["groups"].default) and self.strategy != "balanced":
-            raise ValueError(f"selection.groups applies to 'balanced' only, not {self.strategy!r}")
+        for key in ("groups", "size_power"):
+            if getattr(self, key) not in (None, default[key].default) and self.strategy != "balanced":
+                raise ValueError(f"selection.{key} applies to 'balanced' only, not {self.strategy!r}")
         if self.strategy != "equalize" and self.ratio != default["ratio"].default:
             raise ValueError(f"selection.ratio ({self.ratio}) applies to 'equalize' only, not {self.strategy!r} "
                              "(which selection.budget sizes)")

@@ -96,7 +96,8 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
                               "n_tokens")
         want = token_budget_count(s.budget_tokens, int(np.asarray(n_tokens, dtype=np.int64).sum()))
         res = select(s.strategy, sketches, labels, dist, within=s.within, dedup_threshold=s.dedup_threshold,
-                     seed=s.seed, n_tokens=n_tokens, budget_tokens=want, groups=s.groups if groups is None else groups)
+                     seed=s.seed, n_tokens=n_tokens, budget_tokens=want, groups=s.groups if groups is None else groups,
+                     size_power=s.size_power)
         t = cfg.train
         need = t.num_workers * t.grad_accum * (1 if cfg.packed else t.micro_batch_size)
         if res.indices.size < need:
@@ -107,5 +108,6 @@ def select_with_config(cfg, *, n_candidates: int, sketches=None, labels=None, di
         return SelectOutput(int(res.indices.size), res, want)
     requested = n_candidates if s.strategy == "full" else budget_count(s.budget, n_candidates)
     res = select(s.strategy, sketches, labels, dist, requested, within=s.within, dedup_threshold=s.dedup_threshold,
-                 seed=s.seed, groups=(s.groups if groups is None else groups) if s.strategy == "balanced" else None)
+                 seed=s.seed, groups=(s.groups if groups is None else groups) if s.strategy == "balanced" else None,
+                 size_power=s.size_power)
     return SelectOutput(requested, res)

@@ -118,7 +118,8 @@ def _quotas(cfg, labels: np.ndarray, n_tokens, groups=None) -> tuple[np.ndarray,
     sizes = np.bincount(labels).astype(np.int64)
 
     def fill(totals, want):
-        return water_fill_quotas(totals, want) if groups is None else group_quotas(totals, groups, want)
+        p = s.size_power
+        return water_fill_quotas(totals, want, p) if groups is None else group_quotas(totals, groups, want, p)
 
     if s.strategy == "equalize":
         m = int(sizes[0]) if sizes.size == 1 else equalize_count(sizes, s.ratio)

@@ -62,7 +62,7 @@ def test_every_arm_parses_and_differs_only_in_its_keys(e2e, tmp_path):
     assert (old.sketch.method, old.selection.groups, old.selection.within, old.train.loss_weighting) == \
         ("sketch", None, "kcenter", "cluster")
     ours = ours_cfg.model_dump()
-    for arm in ("sketch", "hidden_mean", "within_kcenter", "max_tokens_128", "flat", "weighted"):
+    for arm in ("sketch", "hidden_mean", "within_kcenter", "max_tokens_128", "flat", "sqrt_quotas", "weighted"):
         diff = {(s, k) for s, sec in cfgs[arm].model_dump().items() if isinstance(sec, dict)
                 for k, v in sec.items() if ours[s][k] != v and not (s == "output" and k == "dir")}
         # hidden_mean brings its pooling
