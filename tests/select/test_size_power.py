@@ -36,9 +36,13 @@ def test_known_answers():
 
 
 def test_power_out_of_range_is_refused():
-    for p in (-0.1, 1.5):
+    for p in (-0.1, 1.5, "0.5", True):
         with pytest.raises(ValueError, match="power"):
             water_fill_quotas([3, 4], 5, p)
+    # float64 shares lose whole rows beyond 2**53 (found by review: the sum came out 5 above the budget)
+    with pytest.raises(ValueError, match="2\\*\\*53"):
+        water_fill_quotas([10**18, 10**18 - 1, 5], 10**18, 0.5)
+    assert water_fill_quotas([10**18, 10**18 - 1, 5], 10**18).sum() == 10**18  # power 0 stays exact
 
 
 @settings(max_examples=200, deadline=None)
