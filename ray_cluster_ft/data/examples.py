@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..config import ConfigError, DataConfig
-from .formats import canonical_row, columns_hint, missing_sources
+from .formats import canonical_row, check_text, columns_hint, missing_sources
 from .read import Rejection, example_id, hash_order, iter_rows
 from .tokenize import tokenize_guarded, tokenize_rows
 
@@ -136,11 +136,12 @@ def _row_domain(row: dict) -> str:
     whitespace folds).
 
     Raises:
-        ValueError: the rejection reason (not a string, or the reserved name ``all``).
+        ValueError: the rejection reason (not a string, a lone surrogate, or the reserved name ``all``).
     """
     domain = row.get("domain")
     if domain is not None and not isinstance(domain, str):
         raise ValueError(f"field 'domain' is {type(domain).__name__}, expected a string")
+    check_text(domain or "", "field 'domain'")  # else Arrow fails on the whole table, not on this row
     domain = " ".join("".join(c for c in (domain or "") if unicodedata.category(c) != "Cf").split()) or "default"
     if domain == "all":  # the name of the every-domain aggregate in the evaluation
         raise ValueError("reserved domain: 'all' names the aggregate over every domain in the evaluation; rename "

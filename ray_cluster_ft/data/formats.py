@@ -37,6 +37,7 @@ __all__ = [
     "TEXT_FIELDS",
     "apply_columns",
     "canonical_row",
+    "check_text",
     "columns_hint",
     "detect_format",
     "is_blank",
@@ -81,7 +82,7 @@ def is_blank(text: str) -> bool:
                    for ch in text)
 
 
-def _check_text(v: str, what: str) -> None:
+def check_text(v: str, what: str) -> None:
     """Reject text the tokenizer cannot encode: a lone UTF-16 surrogate (``"\\ud800"`` in JSON) is legal JSON
     but not a Unicode scalar, and would crash the tokenizer and the content hash."""
     try:
@@ -101,7 +102,7 @@ def _nonempty_str(row: dict, key: str) -> str:
         raise ValueError(f"field '{key}' is {type(v).__name__}, expected a string")
     if is_blank(v):
         raise ValueError(f"empty {key}")
-    _check_text(v, f"'{key}'")
+    check_text(v, f"'{key}'")
     return v
 
 
@@ -112,7 +113,7 @@ def _optional_str(row: dict, key: str) -> str | None:
         return None
     if not isinstance(v, str):
         raise ValueError(f"field '{key}' is {type(v).__name__}, expected a string")
-    _check_text(v, f"'{key}'")
+    check_text(v, f"'{key}'")
     return v
 
 
@@ -180,7 +181,7 @@ def _chat(msgs: Any, field: str) -> list[dict]:
             content = content or ""
         elif not isinstance(content, str):
             raise ValueError(f"{where}.content is {type(content).__name__}, expected a string")
-        _check_text(content, f"{where}.content")
+        check_text(content, f"{where}.content")
         msg["content"] = content
         if role == "tool" and isinstance(m.get("tool_call_id"), str):
             msg["tool_call_id"] = m["tool_call_id"]
@@ -222,7 +223,7 @@ def _sharegpt(row: dict) -> tuple[list[dict], set[str]]:
                              f"observation")
         if not isinstance(value, str):
             raise ValueError(f"{where}.value is {type(value).__name__}, expected a string")
-        _check_text(value, f"{where}.value")
+        check_text(value, f"{where}.value")
         if who == "function_call":
             try:
                 call = json.loads(value)

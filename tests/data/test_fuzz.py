@@ -100,6 +100,9 @@ def test_any_json_value_as_row(tok, fuzz_dir, row):
         assert len(res.rejected) == 1  # a row canonicalize refuses is never accepted
         return
     domain = row.get("domain")
+    if isinstance(domain, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in domain):
+        assert [r.reason.split(":")[0] for r in res.rejected] == ["invalid Unicode in field 'domain'"]
+        return
     if (domain is not None and not isinstance(domain, str)) or (isinstance(domain, str) and
                                                                  " ".join(domain.split()) == "all"):
         assert [r.reason.split(":")[0].split(" is ")[0] for r in res.rejected] == [
@@ -148,3 +151,14 @@ def test_any_yaml_as_config(fuzz_dir, text):
         assert str(err)
         return
     assert isinstance(cfg, JobConfig) and cfg.output.dir == "runs/x"
+
+
+def test_a_lone_surrogate_in_the_domain_is_a_counted_rejection(tok, fuzz_dir):
+    # Found by the fuzz test above: the text fields refused it, the domain reached Arrow and failed the whole load.
+    f = fuzz_dir / "domain.jsonl"
+    rows = [{"prompt": "0", "response": "0", "domain": "\ud800"}, {"prompt": "Say hi.", "response": "Hi there."}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="ascii")
+    res = _load(f, tok)
+    assert res.n_read == 2 and res.train.num_rows + res.eval.num_rows == 1
+    assert [(r.position, r.reason) for r in res.rejected] == [  # positions are line numbers
+        (1, "invalid Unicode in field 'domain': lone surrogate '\\ud800' at character 0")]
