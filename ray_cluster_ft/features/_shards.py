@@ -25,19 +25,18 @@ def _to_arrow(batch: dict[str, np.ndarray], dtype: str = "float32"):
     """
     import pyarrow as pa
 
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing float16 row is refused below, by name
+    with np.errstate(over="ignore", invalid="ignore"):  # a row float16 cannot hold is refused below, by name
         sk = np.ascontiguousarray(batch["sketch"], dtype=np.float16 if dtype == "float16" else np.float32)
-    if dtype == "float16":
-        with np.errstate(over="ignore", invalid="ignore"):
+        if dtype == "float16":
             before = np.linalg.norm(np.asarray(batch["sketch"], dtype=np.float32), axis=1)
             after = np.linalg.norm(sk.astype(np.float32), axis=1)
             # NaN or inf rows pass: the cluster stage refuses them with their position
             bad = np.isfinite(before) & ~(np.abs(after - before) <= 0.01 * before)
-        if bad.any():
-            j = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"{int(bad.sum())} feature rows do not fit float16 (row {str(batch['example_id'][j])!r}: "
-                             f"norm {before[j]:.3g}, largest entry {np.abs(batch['sketch'][j]).max():.3g}); set "
-                             "sketch.shard_dtype: float32")
+    if dtype == "float16" and bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{int(bad.sum())} feature rows do not fit float16 (row {str(batch['example_id'][j])!r}: "
+                         f"norm {before[j]:.3g}, largest entry {np.abs(batch['sketch'][j]).max():.3g}); set "
+                         "sketch.shard_dtype: float32")
     return pa.table(
         {
             "example_id": pa.array(np.asarray(batch["example_id"]).astype(str), type=pa.string()),
