@@ -304,11 +304,33 @@ def _count_lines(manifest: dict) -> list[str]:
         store = manifest.get("sketch", {}).get("store")
         where = f" (feature store `{store}`)." if store else "."
         lines += [f"Features: {c['features_computed']} computed, {c['features_reused']} reused{where}", ""]
+    lines += _selection_lines(manifest)
     b = manifest.get("budget", {})
     if b.get("rounded_down_by"):
         lines += [f"The selection ({b['requested']}) was rounded down by {b['rounded_down_by']} so that every rank "
                   f"gets the same number of full micro-batches.", ""]
     return lines
+
+
+def _selection_lines(manifest: dict) -> list[str]:
+    """One sentence naming the settings that decided which rows were chosen (a reader of the report alone
+    should not need config.yaml to know whether a selection was balanced, on which feature)."""
+    cfg = manifest.get("config", {})
+    sel, feat = cfg.get("selection", {}), cfg.get("sketch", {})
+    if not sel:
+        return []
+    what = f"Selection: `{sel.get('strategy')}`"
+    if sel.get("strategy") == "balanced":
+        groups = manifest.get("budget", {}).get("groups")
+        what += (f" on `sketch.method: {feat.get('method')}` features, within clusters `{sel.get('within')}`, "
+                 f"groups `{sel.get('groups')}`" + (f" ({len(set(groups))} made)" if groups else "") +
+                 f", size_power {sel.get('size_power')}")
+    if sel.get("strategy") in ("balanced", "random"):
+        what += (f", budget {sel.get('budget_tokens')} tokens" if sel.get("budget_tokens") is not None
+                 else f", budget {sel.get('budget')}")
+    elif sel.get("strategy") == "equalize":
+        what += f", ratio {sel.get('ratio')}"
+    return [what + ".", ""]
 
 
 def _clusters_figure(path: Path, labels: np.ndarray, selected_idx: np.ndarray) -> list[str]:

@@ -48,3 +48,25 @@ def test_extra_held_out_files_name_their_unused_fields(tmp_path):
     section = report.split("## Extra held-out files (`evaluation.paths`)\n", 1)[1].split("\n## ", 1)[0]
     assert ("Text fields of these files that their row format does not use, so not scored (`data.unused_fields`; "
             "rows): `/x/a.jsonl`: input (2).") in section
+
+
+def test_the_counts_name_the_settings_that_chose_the_rows(tmp_path):
+    from ray_cluster_ft.allocate import make_plan
+    from ray_cluster_ft.config import parse_config
+    from ray_cluster_ft.pipeline.report import write_report
+
+    plan = make_plan(np.array([f"e{i}" for i in range(8)]), np.arange(8) % 2, np.full(8, 10), 2, 2).plan
+    counts = {k: 8 for k in ("read", "accepted", "selected", "trained")} | {"rejected": 0, "held_out": 0,
+                                                                            "not_selected": 0}
+    base = {"counts": counts, "timings_s": {"total": 1.0}, "eval": {"before": {}, "after": {}}}
+    cases = [({"selection": {"size_power": 0.5}}, {"groups": [0, 1, 1, 0]},
+              "Selection: `balanced` on `sketch.method: embedding` features, within clusters `random`, groups `auto` "
+              "(2 made), size_power 0.5, budget 0.31."),
+             ({"selection": {"strategy": "random", "budget_tokens": 900}}, {},
+              "Selection: `random`, budget 900.0 tokens."),
+             ({"preset": "cluster-paper"}, {}, "Selection: `equalize`, ratio 1.0.")]
+    for raw, budget, want in cases:
+        cfg = parse_config(raw).model_dump(mode="json")
+        report = write_report(tmp_path, base | {"config": cfg, "budget": budget}, plan, None, np.arange(8))
+        assert want in report.read_text().split("## Counts\n", 1)[1].split("\n## ", 1)[0], raw
+    assert "Selection:" not in write_report(tmp_path, base, plan, None, np.arange(8)).read_text()  # no config
