@@ -271,6 +271,10 @@ def _iter_datasets_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, 
         yield str(p), i, ds[i]
 
 
+CSV_EXTRA_CELLS = "\x00cells past the header"
+"""The key under which a rejected CSV row keeps its cells past the header (a NUL: no header cell holds one)."""
+
+
 def _iter_csv_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, Any]]:
     """Rows of a CSV (``.csv``) or tab-separated (``.tsv``) file with a header line, every value a string (an
     empty cell is an empty string); the position is the 1-based line where the row starts.
@@ -290,8 +294,10 @@ def _iter_csv_rows(p: Path, limit: int | None) -> Iterator[tuple[str, int, Any]]
                     return
                 extra = row.pop(None, None)  # cells past the header: a broken row, not a field
                 if extra:
-                    yield src, start, Rejection(src, start, f"CSV row has {len(extra)} cells more than the header",
-                                                row)
+                    # The reason is one key however many cells (rejected_by_reason stays bounded); the row keeps
+                    # every cell, the extra ones under a name no header cell can collide with.
+                    yield src, start, Rejection(src, start, "CSV row has more cells than the header",
+                                                {**row, CSV_EXTRA_CELLS: extra})
                 else:
                     yield src, start, row
                 start = reader.line_num + 1

@@ -138,8 +138,12 @@ def prompt_texts(table, tokenizer, ignore_index: int = -100) -> Callable[[np.nda
             lab = np.asarray(labels)
             n = int(np.argmax(lab != ignore_index)) if (lab != ignore_index).any() else len(ids)
             text = tokenizer.decode(ids[:n])
-            if pre is not None and text.startswith(pre) and text.endswith(post):
-                text = text[len(pre): len(text) - len(post)]
+            # The trained part may begin inside the template: a response opening with a newline and indentation
+            # (code) is tokenised with the newline that ends the template, so the prompt lacks it.
+            cut = next((c for c in (post, post.rstrip()) if c and text.endswith(c)), None) if pre is not None \
+                else None
+            if cut is not None and text.startswith(pre) and len(text) >= len(pre) + len(cut):
+                text = text[len(pre): len(text) - len(cut)]
             else:
                 text = tokenizer.decode(ids[:n], skip_special_tokens=True)
             out.append(text)

@@ -319,16 +319,24 @@ def _selection_lines(manifest: dict) -> list[str]:
     sel, feat = cfg.get("selection", {}), cfg.get("sketch", {})
     if not sel:
         return []
-    what = f"Selection: `{sel.get('strategy')}`"
-    if sel.get("strategy") == "balanced":
+    strategy = sel.get("strategy")
+    what = f"Selection: `{strategy}`"
+    if strategy in ("balanced", "equalize"):
+        what += f" on `sketch.method: {feat.get('method')}` features, within clusters `{sel.get('within')}`"
+    if strategy == "balanced":
         groups = manifest.get("budget", {}).get("groups")
-        what += (f" on `sketch.method: {feat.get('method')}` features, within clusters `{sel.get('within')}`, "
-                 f"groups `{sel.get('groups')}`" + (f" ({len(set(groups))} made)" if groups else "") +
-                 f", size_power {sel.get('size_power')}")
-    if sel.get("strategy") in ("balanced", "random"):
-        what += (f", budget {sel.get('budget_tokens')} tokens" if sel.get("budget_tokens") is not None
-                 else f", budget {sel.get('budget')}")
-    elif sel.get("strategy") == "equalize":
+        made = f" ({len(set(groups))} made)" if groups else ""
+        what += (f", groups `{sel.get('groups')}`{made}" if sel.get("groups") is not None
+                 else ", groups `null` (every cluster one share)")
+        what += f", size_power {sel.get('size_power')}"
+    if strategy in ("balanced", "random"):
+        tokens, budget = sel.get("budget_tokens"), sel.get("budget")
+        if tokens is not None:
+            what += f", budget {int(tokens):,} tokens" if tokens > 1 else \
+                f", budget {tokens:g} of the candidates' tokens"
+        else:
+            what += f", budget {int(budget):,} rows" if budget > 1 else f", budget {budget:g} of the candidates"
+    elif strategy == "equalize":
         what += f", ratio {sel.get('ratio')}"
     return [what + ".", ""]
 

@@ -12,7 +12,7 @@ import pytest
 
 from ray_cluster_ft.config import ConfigError, DataConfig
 from ray_cluster_ft.data import load_examples
-from ray_cluster_ft.data.read import count_rows, expand_paths, iter_file_rows
+from ray_cluster_ft.data.read import CSV_EXTRA_CELLS, count_rows, expand_paths, iter_file_rows
 
 
 def _rows(path, **kw):
@@ -38,14 +38,18 @@ def test_globs_and_folders_expand_to_sorted_files(tmp_path):
 
 def test_csv_and_tsv_rows_are_strings_with_their_lines(tmp_path):
     csv_file = tmp_path / "rows.csv"
-    csv_file.write_text('prompt,response\nq1,"two\nlines"\nq2,42\nq3,r,extra\n', encoding="utf-8")
+    csv_file.write_text('prompt,response\nq1,"two\nlines"\nq2,42\nq3,r,extra\nq4,r,x,y\n', encoding="utf-8")
     got = _rows(csv_file)
     assert got[:2] == [(2, {"prompt": "q1", "response": "two\nlines"}), (4, {"prompt": "q2", "response": "42"})]
-    assert got[2][0] == 5 and got[2][1].reason == "CSV row has 1 cells more than the header"
+    # Rejected with every cell kept, under one reason however many cells are extra.
+    assert [(pos, r.reason, r.row) for pos, r in got[2:]] == [
+        (5, "CSV row has more cells than the header", {"prompt": "q3", "response": "r", CSV_EXTRA_CELLS: ["extra"]}),
+        (6, "CSV row has more cells than the header", {"prompt": "q4", "response": "r", CSV_EXTRA_CELLS: ["x", "y"]})]
+    assert json.loads(got[3][1].to_json())["row"][CSV_EXTRA_CELLS] == ["x", "y"]
     tsv = tmp_path / "rows.tsv"
     tsv.write_text("instruction\tinput\toutput\nAdd.\t1 2\t3\n")
     assert _rows(tsv) == [(2, {"instruction": "Add.", "input": "1 2", "output": "3"})]
-    assert (count_rows(csv_file), count_rows(tsv)) == (3, 1)
+    assert (count_rows(csv_file), count_rows(tsv)) == (4, 1)
 
 
 def test_gzip_json_array_and_parquet_counts(tmp_path):

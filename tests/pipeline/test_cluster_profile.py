@@ -79,3 +79,19 @@ def test_prompt_texts_decode_the_user_prompt_without_the_template(tiny_model_dir
     table = pa.table({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
     assert prompt_texts(table, tok)(np.array([1, 0])) == ["What are the symptoms of anemia?",
                                                           "Write a function that adds two numbers."]
+
+
+def test_prompt_texts_drop_the_template_when_the_response_takes_its_last_newline(tiny_model_dir):
+    """A code response opening with a newline and indentation is tokenised with the template's last newline (as
+    the data stage does for HumanEval rows): the prompt part then ends at ``assistant`` without it."""
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Complete add(a, b)."}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert rendered.endswith("assistant\n")
+    p = tok(rendered.rstrip("\n"), add_special_tokens=False)["input_ids"]
+    a = tok("\n    return a + b", add_special_tokens=False)["input_ids"]
+    table = pa.table({"input_ids": [p + a], "labels": [[-100] * len(p) + a]})
+    assert prompt_texts(table, tok)(np.array([0])) == ["Complete add(a, b)."]

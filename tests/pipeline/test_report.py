@@ -61,10 +61,18 @@ def test_the_counts_name_the_settings_that_chose_the_rows(tmp_path):
     base = {"counts": counts, "timings_s": {"total": 1.0}, "eval": {"before": {}, "after": {}}}
     cases = [({"selection": {"size_power": 0.5}}, {"groups": [0, 1, 1, 0]},
               "Selection: `balanced` on `sketch.method: embedding` features, within clusters `random`, groups `auto` "
-              "(2 made), size_power 0.5, budget 0.31."),
+              "(2 made), size_power 0.5, budget 0.31 of the candidates."),
+             ({"selection": {"groups": None, "budget": 20}}, {},
+              "Selection: `balanced` on `sketch.method: embedding` features, within clusters `random`, groups `null` "
+              "(every cluster one share), size_power 0.0, budget 20 rows."),
              ({"selection": {"strategy": "random", "budget_tokens": 900}}, {},
-              "Selection: `random`, budget 900.0 tokens."),
-             ({"preset": "cluster-paper"}, {}, "Selection: `equalize`, ratio 1.0.")]
+              "Selection: `random`, budget 900 tokens."),
+             ({"selection": {"budget_tokens": 0.3}, "sketch": {"method": "sketch"}}, {"groups": [0]},
+              "Selection: `balanced` on `sketch.method: sketch` features, within clusters `random`, groups `auto` "
+              "(1 made), size_power 0.0, budget 0.3 of the candidates' tokens."),
+             ({"preset": "cluster-paper"}, {},
+              "Selection: `equalize` on `sketch.method: last_layer` features, within clusters `peripheral`, "
+              "ratio 1.0.")]
     for raw, budget, want in cases:
         cfg = parse_config(raw).model_dump(mode="json")
         report = write_report(tmp_path, base | {"config": cfg, "budget": budget}, plan, None, np.arange(8))
