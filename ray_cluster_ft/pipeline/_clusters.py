@@ -140,9 +140,10 @@ def prompt_texts(table, tokenizer, ignore_index: int = -100) -> Callable[[np.nda
             text = tokenizer.decode(ids[:n])
             # The trained part may begin inside the template: a response opening with a newline and indentation
             # (code) is tokenised with the newline that ends the template, so the prompt lacks it.
-            cut = next((c for c in (post, post.rstrip()) if c and text.endswith(c)), None) if pre is not None \
-                else None
-            if cut is not None and text.startswith(pre) and len(text) >= len(pre) + len(cut):
+            cut = None
+            if pre is not None and text.startswith(pre):
+                cut = next((c for c in (post, post.rstrip()) if text.endswith(c)), None)
+            if cut is not None and len(text) >= len(pre) + len(cut):
                 text = text[len(pre): len(text) - len(cut)]
             else:
                 text = tokenizer.decode(ids[:n], skip_special_tokens=True)
