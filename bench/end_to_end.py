@@ -292,10 +292,15 @@ def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for, what: str 
     that computed them (``feature_times.json``)."""
     import pandas as pd
 
+    import ray
+
     from ray_cluster_ft import run_pipeline
     from ray_cluster_ft.config import parse_config
+    from ray_cluster_ft.pipeline.session import init_ray
 
     cfg = parse_config(raw)
+    if not ray.is_initialized():  # once, at the first arm that runs (each run_pipeline then joins it)
+        init_ray(None, False)
     print(f"[bench] ===== {pool} {Path(cfg.output.dir).parent.name} {arm}: {what}", flush=True)
     t0 = time.perf_counter()
     manifest = run_pipeline(cfg, evaluator=evaluator_for(cfg))
@@ -394,13 +399,10 @@ def _budget_of(arm: str, ours: dict | None) -> dict | None:
 def run_all(args) -> dict:
     import ray
 
-    from ray_cluster_ft.pipeline.session import init_ray
-
     out = Path(args.out)
     pools, eval_paths = write_pools(out, args.candidates, args.eval_rows)
     results: dict = {}
     cache: dict = {}
-    init_ray(None, False)  # once for every arm (each run_pipeline then joins it)
     evaluator_for = make_evaluator(cache, args.eval_threads, out / "base_eval.pkl")
     try:
         _run_schedule(args, out, pools, eval_paths, results, evaluator_for)

@@ -155,9 +155,10 @@ def test_a_quick_run_scores_every_epoch_and_resumes(tiny_model_dir, tmp_path):
     # Ours' row count, less what the random (padded) plan drops to fill whole steps of W x B = 2 x 4 rows.
     assert arms["ours"]["rows"][0] - 8 < arms["random_subset"]["rows"][0] <= arms["ours"]["rows"][0]
     assert arms["random_subset"]["selection_s"][0] < arms["ours"]["selection_s"][0]
-    # A second call finds both arms kept and runs nothing.
+    # A second call finds both arms kept and runs nothing: not even a Ray start.
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=BENCH.parents[1])
     assert again.returncode == 0 and "=====" not in again.stdout + again.stderr
+    assert "Started a local Ray instance" in done.stderr and "Started a local Ray instance" not in again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["natural.ours.macro_loss"] == \
         pytest.approx(arms["ours"]["macro_loss"][0], abs=1e-4)
 
