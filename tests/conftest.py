@@ -16,6 +16,12 @@ from bench._common import shared_data_dir  # noqa: F401  (the tests' import of i
 # module ran first (the ray_cpu fixture set it), so a pinned test passed in the full suite and failed alone.
 os.environ["OMP_NUM_THREADS"] = "1"
 
+# Ray starts its workers at niceness 15. In the suite the other xdist worker runs at 0, so whenever it computes,
+# this worker's Ray tasks and Ray Train workers got a sliver of a core: a tiny model's training step took 1.8 s
+# instead of 0.7 s (measured beside a niced benchmark). Every local Ray of the suite, in-process or started by a CLI
+# subprocess (which inherits the variable), gives its workers the same priority as the test that waits on them.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 # Under pytest-xdist (scripts/test.sh runs 2 workers) each worker gets its own Ray temp dir: a local Ray writes its
 # address to <temp dir>/ray/ray_current_cluster, and a test must never find and join the other worker's cluster.
 if os.environ.get("PYTEST_XDIST_WORKER"):

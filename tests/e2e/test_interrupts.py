@@ -25,9 +25,10 @@ pytestmark = pytest.mark.slow
 def _spec(tmp_path: Path, model: Path) -> Path:
     spec = {"data": {"paths": [str(FIXTURE)], "max_seq_len": 128, "overlong": "truncate", "eval_fraction": 0.0},
             "model": {"path": str(model)},
-            "sketch": {"batch_size": 8, "k_in": 4, "k_out": 4, "dim": 16, "num_actors": 1},
+            # hidden_mean: the tiny model's own forward pass, the cheapest feature (what is stopped here is training).
+            "sketch": {"method": "hidden_mean", "batch_size": 8, "num_actors": 1},
             "selection": {"budget": 0.4},
-            "train": {"num_workers": 2, "micro_batch_size": 4, "epochs": 4, "checkpoint_every": 3, "lr": 1e-3},
+            "train": {"num_workers": 2, "micro_batch_size": 4, "epochs": 3, "checkpoint_every": 3, "lr": 1e-3},
             "evaluation": {"max_mc": 0, "max_code": 0},
             "output": {"dir": str(tmp_path / "run"), "save_model": False}}
     path = tmp_path / "job.yaml"
