@@ -170,9 +170,10 @@ def canonical_record(src: str, pos: int, row: Any, cfg: DataConfig) -> Canonical
     try:
         fmt, msgs, left = canonical_row(row, cfg.format, cfg.columns)
         domain = _row_domain(row)
+        source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
+        check_text(source, "field 'source'")  # else Arrow fails on the whole table, not on this row
     except ValueError as err:
         return Rejection(src, pos, str(err), row)
-    source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
     hints = [columns_hint(fmt, name, row.get(name), cfg.columns) for name in left]
     return Canonical(fmt, msgs, list(left), hints, source, domain)
 

@@ -108,6 +108,10 @@ def test_any_json_value_as_row(tok, fuzz_dir, row):
         assert [r.reason.split(":")[0].split(" is ")[0] for r in res.rejected] == [
             "reserved domain" if isinstance(domain, str) else "field 'domain'"]
         return
+    source = row.get("source")
+    if isinstance(source, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in source):
+        assert [r.reason.split(":")[0] for r in res.rejected] == ["invalid Unicode in field 'source'"]
+        return
     if accepted:
         assert res.train.column("example_id").to_pylist() == [example_id(msgs)]
     else:  # accepted by canonicalize, refused by tokenization (over 64 tokens, nothing left to learn, or a
@@ -162,3 +166,15 @@ def test_a_lone_surrogate_in_the_domain_is_a_counted_rejection(tok, fuzz_dir):
     assert res.n_read == 2 and res.train.num_rows + res.eval.num_rows == 1
     assert [(r.position, r.reason) for r in res.rejected] == [  # positions are line numbers
         (1, "invalid Unicode in field 'domain': lone surrogate '\\ud800' at character 0")]
+
+
+def test_a_lone_surrogate_in_the_source_is_a_counted_rejection(tok, fuzz_dir):
+    # Found by the fuzz test above (row {'prompt': '0', 'response': '0', 'source': '\ud800'}): a row's own source
+    # reached Arrow and failed the whole load, as the domain once did.
+    f = fuzz_dir / "source.jsonl"
+    rows = [{"prompt": "0", "response": "0", "source": "\ud800"}, {"prompt": "Say hi.", "response": "Hi there."}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="ascii")
+    res = _load(f, tok)
+    assert res.n_read == 2 and res.train.num_rows + res.eval.num_rows == 1
+    assert [(r.position, r.reason) for r in res.rejected] == [
+        (1, "invalid Unicode in field 'source': lone surrogate '\\ud800' at character 0")]
