@@ -118,3 +118,27 @@ def test_select_command_passes_format(tmp_path, monkeypatch, capsys):
     assert (run_dir / "llamafactory" / "dataset_info.json").read_text(encoding="utf-8") == WANT_INFO
     with pytest.raises(SystemExit):
         main(["select", str(tmp_path / "job.yaml"), "--format", "alpaca"])
+
+
+def test_a_lone_surrogate_in_a_field_the_format_does_not_read_is_written_as_its_escape(tmp_path):
+    """Found by a review: ``{"meta": {"note": "\\ud800"}}`` is legal JSON, the row trains (its text is valid), and
+    ``select`` then died writing ``selected.jsonl``. Both files keep the row; the surrogate stays an escape, and
+    valid non-ASCII text stays itself."""
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "Ünïcode?", "response": "yes", "meta": {"note": "\ud800"}}]
+    src = tmp_path / "rows.jsonl"
+    src.write_text(json.dumps(rows[0]) + "\n", encoding="ascii")
+    cfg = parse_config({"data": {"source": "files", "paths": [str(src)]}, "output": {"dir": str(tmp_path / "run")}})
+    run_dir = tmp_path / "run"
+    prepare_run_dir(run_dir, False, [src])
+    eid = example_id(canonicalize(rows[0]))
+    pd.DataFrame({"example_id": [eid], "cluster": [0], "reason": "test", "weight": [1.0]}).to_parquet(
+        run_dir / "selection.parquet", index=False)
+    pd.DataFrame({"epoch": 0, "step": [0], "rank": [0], "micro_index": 0, "example_id": [eid]}).to_parquet(
+        run_dir / "plan.parquet", index=False)
+    jsonl, parquet = write_selected(cfg, run_dir, None)
+    line = jsonl.read_text(encoding="utf-8").strip()
+    assert '"meta": {"note": "\\ud800"}' in line and json.loads(line)["meta"] == {"note": "\ud800"}
+    assert json.loads(line)["prompt"] == "Ünïcode?"
+    assert json.loads(pq.read_table(parquet).column("meta")[0].as_py()) == {"note": "\ud800"}
