@@ -379,6 +379,7 @@ def write_selected(cfg: JobConfig, run_dir: str | Path, fmt: str | None = None) 
         RuntimeError: a selected example is no longer in the sources (they changed since the run).
         ConfigError: the names exist in ``run_dir`` but no run wrote them.
     """
+    from .data.read import json_text
     from .rundir import claim
 
     if fmt is not None and fmt not in EXPORT_FORMATS:
@@ -388,7 +389,7 @@ def write_selected(cfg: JobConfig, run_dir: str | Path, fmt: str | None = None) 
     jsonl = claim(run_dir, "selected.jsonl", "selected.parquet", *([fmt] if fmt else []))
     with open(jsonl, "w", encoding="utf-8") as fh:
         for rec in records:
-            fh.write(_json_text(rec) + "\n")
+            fh.write(json_text(rec) + "\n")
     parquet = run_dir / "selected.parquet"
     _write_parquet(records, parquet)
     return (jsonl, parquet) + (_write_for_trainer(run_dir / fmt, fmt, messages) if fmt else ())
@@ -454,6 +455,8 @@ def _write_parquet(records: list[dict], path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from .data.read import json_text
+
     names = list(dict.fromkeys(k for r in records for k in r))
     cols = {}
     for name in names:
@@ -463,16 +466,6 @@ def _write_parquet(records: list[dict], path: Path) -> None:
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, UnicodeEncodeError):
             # Mixed types in one field cannot share a Parquet column, nor can a lone surrogate be UTF-8: keep
             # them, as JSON text.
-            cols[name] = pa.array([None if v is None else _json_text(v) for v in values], type=pa.string())
+            cols[name] = pa.array([None if v is None else json_text(v) for v in values], type=pa.string())
     pq.write_table(pa.table(cols), path)
 
-
-def _json_text(value) -> str:
-    """``value`` as JSON text that encodes as UTF-8: non-ASCII text as itself, but a lone surrogate (legal in
-    JSON, as ``"\\ud800"``; not in UTF-8), which a field the format does not read may hold, as its escape."""
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(value, ensure_ascii=True, default=str)
-    return text

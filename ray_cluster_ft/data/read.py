@@ -70,17 +70,27 @@ class Rejection:
             row = row.decode("utf-8", errors="replace")
         rec = {"source": self.source, "position": self.position, "reason": self.reason, "row": row}
         try:
-            text = json.dumps(rec, ensure_ascii=False, default=str)
-            text.encode("utf-8")
-            return text
-        except (UnicodeEncodeError, ValueError, RecursionError):
-            # Lone surrogates cannot be written as UTF-8 and hostile rows may nest deeply: escape, then
-            # fall back to the row's (bounded) repr so the rejection itself is never lost.
-            try:
-                return json.dumps(rec, ensure_ascii=True, default=str)
-            except (ValueError, RecursionError):
-                rec["row"] = reprlib.repr(row)
-                return json.dumps(rec, ensure_ascii=True)
+            return json_text(rec)
+        except (ValueError, RecursionError):
+            # Hostile rows may nest deeply: fall back to the row's (bounded) repr so the rejection itself is
+            # never lost.
+            rec["row"] = reprlib.repr(row)
+            return json.dumps(rec, ensure_ascii=True)
+
+
+def json_text(value: Any) -> str:
+    """``value`` as one line of JSON text that encodes as UTF-8: non-ASCII text as itself, but where a string holds
+    a lone surrogate (legal in JSON as ``"\\ud800"``, not in UTF-8) the whole line is written with escapes.
+
+    Raises:
+        ValueError, RecursionError: as :func:`json.dumps` (a circular or too deeply nested value).
+    """
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, ensure_ascii=True, default=str)
+    return text
 
 
 def _humaneval_row(r: dict) -> dict:

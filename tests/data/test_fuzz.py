@@ -157,24 +157,14 @@ def test_any_yaml_as_config(fuzz_dir, text):
     assert isinstance(cfg, JobConfig) and cfg.output.dir == "runs/x"
 
 
-def test_a_lone_surrogate_in_the_domain_is_a_counted_rejection(tok, fuzz_dir):
-    # Found by the fuzz test above: the text fields refused it, the domain reached Arrow and failed the whole load.
-    f = fuzz_dir / "domain.jsonl"
-    rows = [{"prompt": "0", "response": "0", "domain": "\ud800"}, {"prompt": "Say hi.", "response": "Hi there."}]
+@pytest.mark.parametrize("field", ["domain", "source"])
+def test_a_lone_surrogate_in_the_domain_or_source_is_a_counted_rejection(tok, fuzz_dir, field):
+    # Both found by the fuzz test above: the text fields refused it, the field reached Arrow and failed the whole
+    # load (the source in row {'prompt': '0', 'response': '0', 'source': '\ud800'}).
+    f = fuzz_dir / f"{field}.jsonl"
+    rows = [{"prompt": "0", "response": "0", field: "\ud800"}, {"prompt": "Say hi.", "response": "Hi there."}]
     f.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="ascii")
     res = _load(f, tok)
     assert res.n_read == 2 and res.train.num_rows + res.eval.num_rows == 1
     assert [(r.position, r.reason) for r in res.rejected] == [  # positions are line numbers
-        (1, "invalid Unicode in field 'domain': lone surrogate '\\ud800' at character 0")]
-
-
-def test_a_lone_surrogate_in_the_source_is_a_counted_rejection(tok, fuzz_dir):
-    # Found by the fuzz test above (row {'prompt': '0', 'response': '0', 'source': '\ud800'}): a row's own source
-    # reached Arrow and failed the whole load, as the domain once did.
-    f = fuzz_dir / "source.jsonl"
-    rows = [{"prompt": "0", "response": "0", "source": "\ud800"}, {"prompt": "Say hi.", "response": "Hi there."}]
-    f.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="ascii")
-    res = _load(f, tok)
-    assert res.n_read == 2 and res.train.num_rows + res.eval.num_rows == 1
-    assert [(r.position, r.reason) for r in res.rejected] == [
-        (1, "invalid Unicode in field 'source': lone surrogate '\\ud800' at character 0")]
+        (1, f"invalid Unicode in field '{field}': lone surrogate '\\ud800' at character 0")]
