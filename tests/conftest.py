@@ -22,6 +22,13 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # subprocess (which inherits the variable), gives its workers the same priority as the test that waits on them.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
+# A tiny model trains its steps in well under a second, so Ray Train's fixed costs are most of a training test: the
+# controller polls the workers every 2 s (a run's start and its end each wait up to one interval), and every run
+# starts a preemption watcher actor (one more process) that follows node draining on autoscaled clusters, which the
+# suite has none of. Propagated by Ray Train to its controller and workers, and inherited by CLI subprocesses.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
 # Under pytest-xdist (scripts/test.sh runs 2 workers) each worker gets its own Ray temp dir: a local Ray writes its
 # address to <temp dir>/ray/ray_current_cluster, and a test must never find and join the other worker's cluster.
 if os.environ.get("PYTEST_XDIST_WORKER"):

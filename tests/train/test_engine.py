@@ -26,6 +26,13 @@ from ray_cluster_ft.train.deepspeed import deepspeed_config, precision_for
 from ray_cluster_ft.train.loop import _build_engine, _namespace
 
 train = TrainConfig(**json.loads(sys.argv[2]))
+if sys.argv[3] == "stub-cpu-adam":
+    # DeepSpeed's CPU Adam compiles its C++ kernel on first use (100 s on 2 cores, again for every virtualenv
+    # path). What is checked is which optimizer class the configuration makes DeepSpeed construct, so the built
+    # module is replaced by one that accepts the calls DeepSpeedCPUAdam makes while it is built and freed.
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    CPUAdamBuilder.load = lambda self, verbose=True: SimpleNamespace(create_adam=lambda *a: None,
+                                                                     destroy_adam=lambda *a: None)
 config = {"model_dir": sys.argv[1], "trust_remote_code": False, "total_steps": 1,
           "ds_config": deepspeed_config(train, 1), "precision": precision_for(train),
           "gradient_checkpointing": train.gradient_checkpointing, "attn_implementation": "eager"}
@@ -40,13 +47,14 @@ print(json.dumps({"optimizer": type(inner).__name__, "dtype": str(next(module.pa
 """
 
 
-def _build(model_dir, **train) -> dict:
+def _build(model_dir, stub_cpu_adam: bool = False, **train) -> dict:
     from ray_cluster_ft.model import cache_dir
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(cache_dir() / "torch_extensions")}  # the trainer's cache: built once
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(model_dir), json.dumps({"num_workers": 1, **train})],
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(model_dir), json.dumps({"num_workers": 1, **train}),
+                           "stub-cpu-adam" if stub_cpu_adam else "-"],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -57,7 +65,8 @@ def test_the_worker_builds_the_configured_optimizer_dtype_and_checkpointing(tiny
     plain = _build(tiny_model_dir, zero_stage=2)
     assert plain == {"optimizer": "AdamW", "dtype": "torch.float32", "precision": "fp32", "checkpointing": False,
                      "attn": "eager"}
-    offload = _build(tiny_model_dir, zero_stage=2, offload="optimizer", precision="bf16", gradient_checkpointing=True)
+    offload = _build(tiny_model_dir, stub_cpu_adam=True, zero_stage=2, offload="optimizer", precision="bf16",
+                     gradient_checkpointing=True)
     assert offload["optimizer"] == "DeepSpeedCPUAdam"  # not torch's AdamW on the CPU
     assert (offload["dtype"], offload["precision"], offload["checkpointing"]) == ("torch.bfloat16", "bf16", True)
 
@@ -99,6 +108,13 @@ def spy(*args, **kwargs):  # what from_pretrained built, before deepspeed.initia
 M.load_local_model = spy
 
 train = TrainConfig(**json.loads(sys.argv[2]))
+if sys.argv[3] == "stub-cpu-adam":
+    # DeepSpeed's CPU Adam compiles its C++ kernel on first use (100 s on 2 cores, again for every virtualenv
+    # path). What is checked is which optimizer class the configuration makes DeepSpeed construct, so the built
+    # module is replaced by one that accepts the calls DeepSpeedCPUAdam makes while it is built and freed.
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    CPUAdamBuilder.load = lambda self, verbose=True: SimpleNamespace(create_adam=lambda *a: None,
+                                                                     destroy_adam=lambda *a: None)
 ds = deepspeed_config(train, 1)
 config = {"model_dir": sys.argv[1], "trust_remote_code": False, "total_steps": 1, "ds_config": ds,
           "precision": precision_for(train), "gradient_checkpointing": False, "attn_implementation": "eager"}
