@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a virtual environment in .venv and run the test suite (CPU only; 17.2 minutes of tests on 2 idle cores, fresh clone at bfb64d9,
-# plus the installs; -m "not slow": 1.7 minutes).
+# plus the installs; -m "not slow": 1.6 minutes).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
