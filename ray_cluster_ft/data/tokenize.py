@@ -71,11 +71,16 @@ def render_chat(tokenizer, msgs: list[dict], generation_prompt: bool, system_pro
 
 
 def trained_turns(msgs: list[dict], train_on: str) -> list[int]:
-    """Indices of the assistant messages that carry the loss: every assistant turn not marked ``train: False``
-    (``all_assistant_turns``), or only the last message (``last_assistant_turn``)."""
+    """Indices of the assistant messages that carry the loss: every assistant turn after the first user message
+    and not marked ``train: False`` (``all_assistant_turns``), or only the last message (``last_assistant_turn``).
+    An assistant turn before any user message (a chat that opens with the assistant's greeting) answers no
+    prompt: it stays in the input as context, untrained (a template also cannot render the empty chat before
+    it as a prompt)."""
     if train_on == "last_assistant_turn":
         return [len(msgs) - 1]
-    return [i for i, m in enumerate(msgs) if m["role"] == "assistant" and m.get("train", True) is not False]
+    first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), len(msgs))
+    return [i for i, m in enumerate(msgs)
+            if i > first_user and m["role"] == "assistant" and m.get("train", True) is not False]
 
 
 def _prefix_len(prefix: list[int], full: list[int]) -> int:

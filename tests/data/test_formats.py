@@ -72,6 +72,16 @@ CASES = [
      SYS + _u("Does aspirin reduce fever?\n\nA trial of 200 adults found aspirin lowered fever.")
      + _a("Yes, in the trial it did."),
      "Yes, in the trial it did.<|im_end|>\n"),
+    ("messages",  # opens with the assistant's greeting: context, untrained (it answers no prompt)
+     {"messages": [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "4"}]},
+     SYS + _a("Hi, how can I help?") + _u("2+2?") + _a("4"),
+     "4<|im_end|>\n"),
+    ("sharegpt",
+     {"conversations": [{"from": "gpt", "value": "Hello! Ask me anything."}, {"from": "human", "value": "Grass?"},
+                        {"from": "gpt", "value": "Green."}]},
+     SYS + _a("Hello! Ask me anything.") + _u("Grass?") + _a("Green."),
+     "Green.<|im_end|>\n"),
 ]
 
 
