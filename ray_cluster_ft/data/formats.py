@@ -161,6 +161,21 @@ def _tool_calls(v: Any, where: str) -> list:
     return v
 
 
+def _text_parts(content: list, where: str) -> str:
+    """OpenAI's content parts (``[{"type": "text", "text": ...}, ...]``) as one text, the parts joined in order;
+    a part of another type (an image, audio) is a rejection: a text model trains on text only."""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"{where}.content[{j}] is a {_short(kind) if kind else type(part).__name__} part; "
+                             f"only text parts are trained")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.content[{j}].text is {type(part.get('text')).__name__}, expected a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _chat(msgs: Any, field: str) -> list[dict]:
     """A list of OpenAI chat messages, checked; ``field`` names it in the reasons."""
     if not isinstance(msgs, list) or not msgs:
@@ -179,8 +194,11 @@ def _chat(msgs: Any, field: str) -> list[dict]:
             if content is not None and not isinstance(content, str):
                 raise ValueError(f"{where}.content is {type(content).__name__}, expected a string or null")
             content = content or ""
+        elif isinstance(content, list) and content:
+            content = _text_parts(content, where)
         elif not isinstance(content, str):
-            raise ValueError(f"{where}.content is {type(content).__name__}, expected a string")
+            raise ValueError(f"{where}.content is {type(content).__name__}, expected a string or a list of text "
+                             f"parts")
         check_text(content, f"{where}.content")
         msg["content"] = content
         if role == "tool" and isinstance(m.get("tool_call_id"), str):

@@ -455,6 +455,7 @@ def canonicalize(row: Any, fmt: str = "auto", columns: dict | None = None) -> li
 _CATEGORIES = [
     (re.compile(r"^(messages|prompt|completion)\[\d+\]\.role is "), r"\1[i].role not system/user/assistant/tool"),
     (re.compile(r"^(messages|prompt|completion)\[\d+\]\.content is "), r"\1[i].content not a string"),
+    (re.compile(r"^(messages|prompt|completion)\[\d+\]\.content\[\d+\]"), r"\1[i].content[j] not a text part"),
     (re.compile(r"^(messages|prompt|completion|conversations)\[\d+\] is "), r"\1[i] not an object"),
     (re.compile(r"^conversations\[\d+\]\.(from|value) is "), r"conversations[i].\1 not valid"),
     (re.compile(r"^field '(\w+)' is null"), r"field '\1' is null"),

@@ -82,6 +82,11 @@ CASES = [
                         {"from": "gpt", "value": "Green."}]},
      SYS + _a("Hello! Ask me anything.") + _u("Grass?") + _a("Green."),
      "Green.<|im_end|>\n"),
+    ("messages",  # OpenAI content parts: the text parts joined in order
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "Sky "}, {"type": "text", "text": "colour?"}]},
+                   {"role": "assistant", "content": [{"type": "text", "text": "Blue."}]}]},
+     SYS + _u("Sky colour?") + _a("Blue."),
+     "Blue.<|im_end|>\n"),
 ]
 
 
