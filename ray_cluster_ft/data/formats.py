@@ -28,6 +28,7 @@ with a blank line (``"\\n\\n"``) in the order given, skipping absent and empty o
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
 from typing import Any, Mapping, Sequence
 
@@ -387,6 +388,12 @@ def canonical_row(row: Any, fmt: str = "auto", columns: Mapping[str, Any] | None
             # No format fits: the row's own field names (a null one says so) beside the ones a format needs.
             names = ", ".join(k + (" (null)" if v is None else "") for k, v in row.items()) or "none"
             raise ValueError(f"{msg} (the row's fields: {names}; see docs/data.md)") from None
+        target = re.match(r"field '(\w+)' is null$", msg)
+        if target and target.group(1) in sources and isinstance(row, dict) and \
+                not any(n in row for n in sources[target.group(1)]):
+            # The target is null because the row lacks every field data.columns maps to it: name those.
+            names = " or ".join(repr(n) for n in sources[target.group(1)])
+            raise ValueError(f"missing field {names} (data.columns maps it to '{target.group(1)}')") from None
         if msg.startswith("missing field '") and isinstance(mapped, dict):
             # Name what the row does have, so the fix (a data.columns line) is one look away.
             others = [k for k in mapped if k not in _META and k not in _FIELDS and _texts(mapped[k])]

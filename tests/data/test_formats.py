@@ -132,6 +132,14 @@ def test_columns_map_and_join_fields(demo_tokenizer):
     with pytest.raises(ValueError, match=r"missing field 'answer' \(the row has long_answer, final_decision; map "
                                           r"them with data.columns\)$"):
         canonical_row(row)
+    # A row without any field mapped to a target is told which fields it lacks, not that the target is null.
+    with pytest.raises(ValueError, match=r"^missing field 'question' or 'context' \(data.columns maps it to "
+                                          r"'prompt'\)$"):
+        canonical_row({"instruction": "no output here"}, columns=cols)
+    with pytest.raises(ValueError, match=r"^missing field 'long_answer' \(data.columns maps it to 'response'\)$"):
+        canonical_row({"question": "Q?"}, columns=cols)
+    with pytest.raises(ValueError, match=r"^field 'response' is null$"):  # the row has it, null
+        canonical_row({"question": "Q?", "long_answer": None}, columns=cols)
 
 
 def test_unused_text_fields_are_named_unless_already_trained():
