@@ -195,7 +195,7 @@ def _chat(msgs: Any, field: str) -> list[dict]:
             if content is not None and not isinstance(content, str):
                 raise ValueError(f"{where}.content is {type(content).__name__}, expected a string or null")
             content = content or ""
-        elif isinstance(content, list) and content:
+        elif isinstance(content, list):  # no parts: empty text, refused below as an empty prompt or response
             content = _text_parts(content, where)
         elif not isinstance(content, str):
             raise ValueError(f"{where}.content is {type(content).__name__}, expected a string or a list of text "

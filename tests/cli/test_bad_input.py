@@ -77,6 +77,8 @@ BAD_LINES = [
                                                                       {"type": "image_url", "image_url": {"url": "x"}}]},
                                          {"role": "assistant", "content": "A cat."}]},
      "messages[0].content[1] is a 'image_url' part; only text parts are trained"),
+    ("content-no-parts", {"messages": [{"role": "user", "content": []}, {"role": "assistant", "content": "r"}]},
+     "empty prompt: no user message before the response"),
     ("content-part-not-text", {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]},
                                             {"role": "assistant", "content": "r"}]},
      "messages[0].content[0].text is int, expected a string"),
