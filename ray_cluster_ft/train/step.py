@@ -15,18 +15,26 @@ Packed micro-batches (``allocation.packing``): the rows of a micro-batch are con
 (:func:`ray_cluster_ft.data.collate.pack`) and the per-example weights become per-token weights (``w_i`` on
 every label position of example ``i``), so ``sum_i w_i sum_t l_it`` and ``D`` are unchanged: a packed step
 optimises exactly the loss of the padded step on the same rows.
+
+Logits only where a loss is taken: the LM head runs on the positions whose next token is a label
+(``logits_positions``, found on the host by :func:`collate_micro_batch`, passed as transformers'
+``logits_to_keep``), not on prompt tokens or padding. The loss is the same sum over the same tokens; the
+``(B, T, V)`` logits, the largest activation of a fine-tuning step at a 50k-150k vocabulary, shrink to
+``(B, K, V)``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 
 import numpy as np
 
 from ..data.collate import IGNORE_INDEX, collate, pack
 
-__all__ = ["FLASH_VARLEN_KEYS", "ForwardTimer", "collate_micro_batch", "micro_batch_to_device", "to_device",
-           "token_exact_loss", "train_micro_batch"]
+__all__ = ["FLASH_VARLEN_KEYS", "ForwardTimer", "collate_micro_batch", "logits_positions", "micro_batch_to_device",
+           "to_device", "token_exact_loss", "train_micro_batch"]
 
 FLASH_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """The keyword arguments of a packed micro-batch that flash-attention varlen reads (transformers'
@@ -90,7 +98,8 @@ def collate_micro_batch(batch: dict[str, np.ndarray], pad_token_id: int, device,
         float32 ``(B,)`` (ones when the batch has no ``weight`` column). Packed: ``input_ids``,
         ``position_ids``, ``labels``: int64 ``(1, N)`` with ``N = sum_i L_i``, no ``attention_mask``;
         ``weight``: float32 ``(1, N)``, the row's weight on each of its tokens; plus the int32
-        ``cu_seq_lens_q/k`` and int ``max_length_q/k`` when asked. All tensors on the host (pinned for CUDA).
+        ``cu_seq_lens_q/k`` and int ``max_length_q/k`` when asked. Both: ``logits_positions``, int64 ``(K,)``
+        (:func:`logits_positions`). All tensors on the host (pinned for CUDA).
     """
     import torch
 
@@ -102,6 +111,7 @@ def collate_micro_batch(batch: dict[str, np.ndarray], pad_token_id: int, device,
     else:
         host = collate(batch["input_ids"], batch["labels"], pad_token_id)
         host["weight"] = w
+    host["logits_positions"] = logits_positions(host["labels"])
     ints = {k: host.pop(k) for k in ("max_length_q", "max_length_k") if k in host}
     cuda = getattr(device, "type", str(device)) == "cuda"
     # Pinned host memory lets the copies run asynchronously; the forward waits for them on the stream.
@@ -124,27 +134,63 @@ def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, devic
     return to_device(collate_micro_batch(batch, pad_token_id, device, packed, flash_attn_kwargs), device)
 
 
-def token_exact_loss(logits, labels, weight):
+def logits_positions(labels) -> np.ndarray:
+    """The sequence positions whose logits a loss reads: ``t`` such that ``labels[b, t + 1]`` is a label for some
+    row ``b``. A packed micro-batch (one row) gets exactly its label positions; a padded one the union over its
+    rows (the other rows' entries there are ``-100`` and cost nothing but their share of the LM head).
+
+    Args:
+        labels: int ``(B, T)`` array or tensor on the host, ``-100`` where no loss is taken.
+
+    Returns:
+        int64 ``(K,)``, ascending, each in ``[0, T - 1)``.
+    """
+    lab = np.asarray(labels)
+    return np.flatnonzero((lab[:, 1:] != IGNORE_INDEX).any(axis=0)).astype(np.int64)
+
+
+def token_exact_loss(logits, labels, weight, positions=None):
     """``sum_i w_i sum_t l_it`` of one micro-batch: the weighted sum of next-token cross-entropies over its
     label tokens.
 
     Args:
-        logits: ``(B, T, V)`` (any float dtype; the cross-entropy runs in float32).
+        logits: ``(B, T, V)``, or ``(B, K, V)`` at ``positions`` only (any float dtype; the cross-entropy runs in
+            float32).
         labels: int64 ``(B, T)``, ``-100`` where no loss is taken; position t predicts ``labels[t + 1]``.
         weight: float ``(B,)`` per-example weights, or ``(B, T)`` per-token weights aligned with ``labels`` (a
             packed micro-batch: the weight of label ``t`` is that of the example holding token ``t``).
+        positions: int64 ``(K,)`` on the logits' device, the positions ``logits`` holds
+            (:func:`logits_positions`: every label of ``labels`` is at one of them), or ``None`` for all ``T``.
 
     Returns:
         A float32 scalar tensor (nats, summed, not averaged).
     """
     import torch.nn.functional as F
 
-    tgt = labels[:, 1:]
-    ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+    if positions is None:
+        tgt, logits = labels[:, 1:], logits[:, :-1]
+        w = weight[:, 1:] if weight.dim() == 2 else weight
+    else:
+        tgt = labels.index_select(1, positions + 1)
+        w = weight.index_select(1, positions + 1) if weight.dim() == 2 else weight
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1),
                          ignore_index=IGNORE_INDEX, reduction="none").view(tgt.shape)
-    if weight.dim() == 2:
-        return (ce * weight[:, 1:].float()).sum()
-    return (ce.sum(dim=1) * weight.float()).sum()
+    if w.dim() == 2:
+        return (ce * w.float()).sum()
+    return (ce.sum(dim=1) * w.float()).sum()
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_keeps_logits(cls: type) -> bool:
+    """Whether a model class's ``forward`` takes ``logits_to_keep`` (transformers' causal LMs since 4.50)."""
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
+def _keeps_logits(module) -> bool:
+    """:func:`_forward_keeps_logits` of the Hugging Face model inside ``module`` (a PEFT model passes the keyword
+    through to its base model)."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return _forward_keeps_logits(type(base))
 
 
 def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None = None,
@@ -156,6 +202,8 @@ def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None
         engine: a ``deepspeed.DeepSpeedEngine`` wrapping a Hugging Face causal LM.
         mb: from :func:`micro_batch_to_device` (padded: with ``attention_mask``; packed: with ``position_ids``
             and no mask, so the model builds the block-causal mask, see :func:`ray_cluster_ft.data.collate.pack`).
+            Its ``logits_positions`` become ``logits_to_keep`` where the model's ``forward`` takes it (all
+            logits are computed otherwise, and for a batch without the key).
         scale: ``W * G / D`` for this micro-batch's step (see the module docstring).
         timer: times the forward (:class:`ForwardTimer`), or ``None``.
         boundary: whether this micro-batch ends its optimizer step, set on the engine before the forward
@@ -173,8 +221,13 @@ def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None
     if timer is not None:
         timer.start()
     extra = {k: mb[k] for k in ("attention_mask", "position_ids", *FLASH_VARLEN_KEYS) if k in mb}
+    positions = mb.get("logits_positions")
+    if positions is not None and _keeps_logits(engine.module):
+        extra["logits_to_keep"] = positions
+    else:
+        positions = None
     logits = engine(input_ids=mb["input_ids"], **extra, use_cache=False).logits
-    total = token_exact_loss(logits, mb["labels"], mb["weight"])
+    total = token_exact_loss(logits, mb["labels"], mb["weight"], positions)
     if timer is not None:
         timer.stop()
     engine.backward(total * scale)

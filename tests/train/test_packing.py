@@ -60,9 +60,81 @@ def test_packed_micro_batch_carries_per_token_weights():
     ids, labels = _rows([4, 6, 3])
     mb = micro_batch_to_device({"input_ids": ids, "labels": labels, "weight": np.array([0.5, 2.0, 1.5])}, 0, "cpu",
                                packed=True)
-    assert set(mb) == {"input_ids", "position_ids", "labels", "weight"}
+    assert set(mb) == {"input_ids", "position_ids", "labels", "weight", "logits_positions"}
     assert tuple(mb["input_ids"].shape) == (1, 13) and str(mb["weight"].dtype) == "torch.float32"
     np.testing.assert_array_equal(mb["weight"].numpy()[0], [0.5] * 4 + [2.0] * 6 + [1.5] * 3)
+    # labels at 2, 3 | 6..9 | 12 (each row's first two are prompt): the positions before them
+    np.testing.assert_array_equal(mb["logits_positions"].numpy(), [1, 2, 5, 6, 7, 8, 11])
+
+
+def test_logits_positions_are_the_union_of_the_rows_label_positions():
+    from ray_cluster_ft.train.step import logits_positions
+
+    labels = np.array([[-100, -100, 5, 6, -100, 7], [-100, 4, -100, -100, -100, -100]])
+    np.testing.assert_array_equal(logits_positions(labels), [0, 1, 2, 4])
+    assert logits_positions(np.full((2, 3), -100)).tolist() == []
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_logits_at_label_positions_only_give_the_full_loss_and_gradient(tiny_model_dir, packed):
+    """The training step's LM head runs only where a label follows (``logits_to_keep``): the same loss and
+    gradients as the full logits, fp32, packed and padded; a model whose ``forward`` lacks the keyword gets all."""
+    import torch
+
+    from ray_cluster_ft.model import load_model
+    from ray_cluster_ft.train.step import train_micro_batch
+
+    model = load_model(str(tiny_model_dir), dtype=torch.float32)
+    ids, labels = _rows([5, 17, 9, 2, 12], seed=4, prompt=3)
+    w = np.array([0.5, 1.0, 2.0, 0.7, 1.3])
+    mb = micro_batch_to_device({"input_ids": ids, "labels": labels, "weight": w}, 0, "cpu", packed=packed)
+    pos = mb["logits_positions"]
+    n_pos = mb["labels"].shape[1]
+    assert 0 < len(pos) < n_pos - 1
+    extra = {"position_ids": mb["position_ids"]} if packed else {"attention_mask": mb["attention_mask"]}
+
+    def loss_and_grads(**kw):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=mb["input_ids"], **extra, **kw, use_cache=False).logits
+        loss = token_exact_loss(logits, mb["labels"], mb["weight"], kw.get("logits_to_keep"))
+        loss.backward()
+        return float(loss.detach()), _grads(model), logits.shape[1]
+
+    full, g_full, t_full = loss_and_grads()
+    kept, g_kept, t_kept = loss_and_grads(logits_to_keep=pos)
+    assert (t_full, t_kept) == (n_pos, len(pos))
+    _assert_same(kept, full, g_kept, g_full, rel=1e-6)
+
+    class Engine:  # what train_micro_batch uses of a DeepSpeed engine
+        def __init__(self, module):
+            self.module, self.seen = module, {}
+
+        def __call__(self, **kw):
+            self.seen = kw
+            return self.module(**kw)
+
+        def backward(self, loss):
+            loss.backward()
+
+        def step(self):
+            pass
+
+    engine = Engine(model)
+    assert float(train_micro_batch(engine, mb, 1.0)) == pytest.approx(full, rel=1e-6)
+    assert engine.seen["logits_to_keep"] is pos
+
+    class NoKeep(torch.nn.Module):  # a forward without logits_to_keep: all logits, the same loss
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=use_cache)
+
+    engine = Engine(NoKeep(model))
+    assert float(train_micro_batch(engine, mb, 1.0)) == pytest.approx(full, rel=1e-6)
+    assert "logits_to_keep" not in engine.seen
 
 
 def _grads(model):
