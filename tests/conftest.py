@@ -37,10 +37,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(items):
-    """Files with end-to-end (``slow``) tests first, each file's tests kept together and in order: xdist hands
-    out whole files (``--dist loadfile``), so the long ones start at once instead of ending the run alone."""
+    """Files with end-to-end (``slow``) tests first, each file's tests kept together: xdist hands out whole files
+    (``--dist loadfile``), so the long ones start at once instead of ending the run alone. Within a file the tests
+    that ask for ``ray_cpu`` come first, in file order, so that they share one Ray session."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (item.path not in slow_files, first[item.path], "ray_cpu" not in item.fixturenames))
 
 
 @pytest.fixture(scope="session")
@@ -74,11 +78,33 @@ def local_ray_kwargs(**extra) -> dict:
     return {"address": "local", "num_cpus": 2, "include_dashboard": False, "dashboard_port": free_port(), **extra}
 
 
-@pytest.fixture(scope="module")
-def ray_cpu():
-    """A local Ray with 2 CPUs for the module's tests; CPU workers get ``DS_ACCELERATOR=cpu``."""
+def start_local_ray():
+    """The suite's local Ray in this process (2 CPUs, no dashboard, ``DS_ACCELERATOR=cpu`` on its workers), started
+    unless one runs already; returns the ``ray`` module. For module fixtures that run a job (the pipeline joins a
+    Ray this process has started, and leaves it running)."""
     import ray
 
-    ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}))
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}))
+    return ray
+
+
+@pytest.fixture
+def ray_cpu():
+    """A local Ray for the test (:func:`start_local_ray`), shared with the tests before and after it that ask for it
+    too: a session costs about 10 CPU-seconds to start and stop (the GCS, raylet, agents and Ray Data's actors), and
+    the suite starts dozens. A test that does not ask for it starts with none (:func:`_no_ray_unless_asked`)."""
+    return start_local_ray()
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_unless_asked(request):
+    """Shut down the shared Ray before a test that does not ask for ``ray_cpu``: such a test may start Ray itself,
+    check what the code under test starts and stops, or run a job in a fresh local Ray as a user does."""
+    import sys
+
+    if "ray_cpu" not in request.fixturenames and "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()

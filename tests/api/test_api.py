@@ -17,7 +17,6 @@ from ray_cluster_ft.config import ConfigError, load_config
 from ray_cluster_ft.data import canonicalize, example_id
 from ray_cluster_ft.features import read_sketches
 from ray_cluster_ft.features.stage import finish_features
-from tests.conftest import local_ray_kwargs
 
 from tests._pins import FIXTURE, files_spec
 
@@ -100,15 +99,9 @@ def test_compute_features_in_process_matches_the_runs_sketches(plan_only_run, ti
 
 
 @pytest.mark.slow
-def test_compute_features_on_ray_is_the_feature_stage(plan_only_run, tiny_model_dir):
-    import ray
-
+def test_compute_features_on_ray_is_the_feature_stage(ray_cpu, plan_only_run, tiny_model_dir):
     out, cfg, examples, feats = plan_only_run
-    ray.init(**local_ray_kwargs(log_to_driver=False))
-    try:
-        got = rcf.compute_features(examples, str(tiny_model_dir), cfg)
-    finally:
-        ray.shutdown()
+    got = rcf.compute_features(examples, str(tiny_model_dir), cfg)
     assert got.example_id.tolist() == examples.column("example_id").to_pylist()
     np.testing.assert_allclose(got.features, feats, rtol=0, atol=1e-6)
 

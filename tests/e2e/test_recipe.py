@@ -33,6 +33,9 @@ EVAL_FILE = Path(__file__).resolve().parents[1] / "fixtures" / "mbpp_test_6.json
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_model_dir):
+    from tests.conftest import start_local_ray
+
+    start_local_ray()  # kept for the tests here that ask for ray_cpu
     out = tmp_path_factory.mktemp("run")
     return out, run_pipeline(_config(tiny_model_dir, out))
 
@@ -200,7 +203,7 @@ def test_resume_after_the_driver_stopped_mid_training(tmp_path, tiny_model_dir, 
     assert verify_trained(plan, trained)["matches_plan"]
 
 
-def test_resume_refuses_a_changed_plan_and_a_missing_run(run, tmp_path, capsys):
+def test_resume_refuses_a_changed_plan_and_a_missing_run(ray_cpu, run, tmp_path, capsys):
     import shutil
 
     from ray_cluster_ft.cli import main

@@ -15,7 +15,6 @@ from ray_cluster_ft.features import compute_sketches, make_projector, read_sketc
 from ray_cluster_ft.features.reference import exact_sketch
 from ray_cluster_ft.features.sketchers import GradientSketcher
 from ray_cluster_ft.model import load_model, make_tiny_model
-from tests.conftest import local_ray_kwargs
 
 from ._helpers import examples as _examples
 from ._helpers import pad as _pad
@@ -245,7 +244,7 @@ def _examples_table(rows, labels, ids):
 
 
 @pytest.mark.slow
-def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
+def test_compute_sketches_resumes_after_an_injected_failure(ray_cpu, tiny_dir, tmp_path):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
     import ray_cluster_ft.features.stage as sketch_mod
@@ -263,41 +262,37 @@ def test_compute_sketches_resumes_after_an_injected_failure(tiny_dir, tmp_path):
     # Left-overs of an older layout and of a killed writer: removed before sketching.
     pq.write_table(pa.table({"example_id": ["stale"]}), out_dir / "part-0.parquet")
     (out_dir / ".shard-00001-abc.parquet.1234.tmp").write_bytes(b"half")
-    ray.init(**local_ray_kwargs(log_to_driver=False))
-    try:
-        # Default pool: one actor per CPU, one CPU left free in all for Ray Data's own tasks.
-        assert sketch_mod._actor_resources(SketchConfig(method="sketch"), use_gpu=False) == (2, 0.5)
-        assert sketch_mod._actor_resources(cfg, use_gpu=False) == (1, 1.0)
-        # GPU jobs ask for one actor per training worker: an autoscaling cluster starts with no GPUs.
-        assert sketch_mod._actor_resources(SketchConfig(method="sketch"), use_gpu=True, gpu_actors=4) == (4, 0.25)
-        assert sketch_mod._actor_resources(SketchConfig(method="sketch"), use_gpu=True)[0] == 1  # no GPU present, none asked
-        # The interrupted run reads a Ray Dataset, the re-run a table: the same rows give the same shards.
-        with pytest.raises(Exception, match="injected failure on shard 2"):
-            compute_sketches(ray.data.from_arrow(table_in), str(tiny_dir), cfg, str(out_dir), shard_rows=4,
-                             fail_on_shard=2)
-        after_fail = {f.name: f.stat().st_mtime_ns for f in out_dir.glob("shard-*.parquet")}
-        assert sorted(n[:11] for n in after_fail) == ["shard-00000", "shard-00001"]
-        assert not (out_dir / "part-0.parquet").exists() and not list(out_dir.glob(".*.tmp"))
+    # Default pool: one actor per CPU, one CPU left free in all for Ray Data's own tasks.
+    assert sketch_mod._actor_resources(SketchConfig(method="sketch"), use_gpu=False) == (2, 0.5)
+    assert sketch_mod._actor_resources(cfg, use_gpu=False) == (1, 1.0)
+    # GPU jobs ask for one actor per training worker: an autoscaling cluster starts with no GPUs.
+    assert sketch_mod._actor_resources(SketchConfig(method="sketch"), use_gpu=True, gpu_actors=4) == (4, 0.25)
+    assert sketch_mod._actor_resources(SketchConfig(method="sketch"), use_gpu=True)[0] == 1  # no GPU present, none asked
+    # The interrupted run reads a Ray Dataset, the re-run a table: the same rows give the same shards.
+    with pytest.raises(Exception, match="injected failure on shard 2"):
+        compute_sketches(ray.data.from_arrow(table_in), str(tiny_dir), cfg, str(out_dir), shard_rows=4,
+                         fail_on_shard=2)
+    after_fail = {f.name: f.stat().st_mtime_ns for f in out_dir.glob("shard-*.parquet")}
+    assert sorted(n[:11] for n in after_fail) == ["shard-00000", "shard-00001"]
+    assert not (out_dir / "part-0.parquet").exists() and not list(out_dir.glob(".*.tmp"))
 
-        stats = compute_sketches(table_in, str(tiny_dir), cfg, str(out_dir), shard_rows=4)
-        assert (stats["shards"], stats["reused"], stats["computed"], stats["examples"]) == (3, 2, 1, 12)
-        for name, mtime in after_fail.items():  # finished shards were not recomputed
-            assert (out_dir / name).stat().st_mtime_ns == mtime
-        got = read_sketches(str(out_dir))
-        assert list(got["example_id"]) == sorted(ids)  # every id exactly once
+    stats = compute_sketches(table_in, str(tiny_dir), cfg, str(out_dir), shard_rows=4)
+    assert (stats["shards"], stats["reused"], stats["computed"], stats["examples"]) == (3, 2, 1, 12)
+    for name, mtime in after_fail.items():  # finished shards were not recomputed
+        assert (out_dir / name).stat().st_mtime_ns == mtime
+    got = read_sketches(str(out_dir))
+    assert list(got["example_id"]) == sorted(ids)  # every id exactly once
 
-        again = compute_sketches(table_in, str(tiny_dir), cfg, str(out_dir), shard_rows=4)
-        assert (again["reused"], again["computed"]) == (3, 0)  # nothing left to do: no actor started
+    again = compute_sketches(table_in, str(tiny_dir), cfg, str(out_dir), shard_rows=4)
+    assert (again["reused"], again["computed"]) == (3, 0)  # nothing left to do: no actor started
 
-        # The embedding baseline through the same Ray stage (text in, same output schema).
-        texts = pa.table({"example_id": ["t0", "t1", "t2"], "text": ["reverse a list", "heart attack signs", "x"],
-                          "n_tokens": [3, 4, 1]})
-        ecfg = SketchConfig(method="embedding", batch_size=2, num_actors=1)
-        estats = compute_sketches(texts, None, ecfg, str(tmp_path / "emb"), shard_rows=2)
-        assert (estats["shards"], estats["computed"]) == (2, 2)
-        emb = read_sketches(str(tmp_path / "emb"))
-    finally:
-        ray.shutdown()
+    # The embedding baseline through the same Ray stage (text in, same output schema).
+    texts = pa.table({"example_id": ["t0", "t1", "t2"], "text": ["reverse a list", "heart attack signs", "x"],
+                      "n_tokens": [3, 4, 1]})
+    ecfg = SketchConfig(method="embedding", batch_size=2, num_actors=1)
+    estats = compute_sketches(texts, None, ecfg, str(tmp_path / "emb"), shard_rows=2)
+    assert (estats["shards"], estats["computed"]) == (2, 2)
+    emb = read_sketches(str(tmp_path / "emb"))
     table = pq.read_table(next(out_dir.glob("shard-00000-*.parquet")))
     sk_type = table.schema.field("sketch").type
     assert pa.types.is_fixed_size_list(sk_type) and sk_type.list_size == 32

@@ -16,7 +16,6 @@ from ray_cluster_ft.data import IGNORE_INDEX
 from ray_cluster_ft.features.last_layer import last_layer_features, normalise_last_layer
 from ray_cluster_ft.features.sketchers import LastLayerSketcher, make_sketcher
 from ray_cluster_ft.model import load_model
-from tests.conftest import local_ray_kwargs
 
 from ._helpers import examples as _examples
 from ._helpers import pad as _pad
@@ -207,8 +206,7 @@ def test_prepare_sketch_inputs_gives_token_ids(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_compute_sketches_with_ray(tiny_model_dir, tmp_path):
-    ray = pytest.importorskip("ray")
+def test_compute_sketches_with_ray(ray_cpu, tiny_model_dir, tmp_path):
     pytest.importorskip("ray.data")
     import pyarrow as pa
 
@@ -220,11 +218,7 @@ def test_compute_sketches_with_ray(tiny_model_dir, tmp_path):
     ids = [f"ex{(5 * i) % 6}" for i in range(6)]
     table = pa.Table.from_pylist([{"example_id": e, "input_ids": r.tolist(), "labels": l.tolist(),
                                    "n_tokens": len(r)} for e, r, l in zip(ids, rows, labels)])
-    ray.init(**local_ray_kwargs(log_to_driver=False))
-    try:
-        stats = compute_sketches(table, str(tiny_model_dir), cfg, str(tmp_path / "sk"), shard_rows=3)
-    finally:
-        ray.shutdown()
+    stats = compute_sketches(table, str(tiny_model_dir), cfg, str(tmp_path / "sk"), shard_rows=3)
     assert (stats["shards"], stats["computed"], stats["examples"]) == (2, 2, 6)
     got = read_sketches(str(tmp_path / "sk"))
     direct = LastLayerSketcher(str(tiny_model_dir), cfg.model_dump(), device="cpu")(_numpy_batch(rows, labels, ids))
