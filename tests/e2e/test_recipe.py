@@ -1,4 +1,5 @@
-"""The whole job end to end on a local Ray: tiny model, two DeepSpeed workers (ZeRO-2), real demo data."""
+"""The whole job end to end on a local Ray: tiny model, two DeepSpeed workers (ZeRO-2), real demo data; stopped by
+a failure in training and resumed from its checkpoint, as a user continues a stopped run."""
 
 import json
 from pathlib import Path
@@ -21,8 +22,8 @@ def _config(tiny_model_dir, out):
         "clustering": {"k": 3},
         "selection": {"strategy": "balanced", "budget": 0.5},
         "allocation": {"strategy": "cluster"},
-        "train": {"num_workers": 2, "zero_stage": 2, "micro_batch_size": 2, "grad_accum": 2, "epochs": 2,
-                  "lr": 1e-3},
+        "train": {"num_workers": 2, "zero_stage": 2, "micro_batch_size": 2, "grad_accum": 1, "epochs": 2,
+                  "lr": 1e-3, "checkpoint_every": 2, "max_failures": 0},
         "evaluation": {"paths": [str(EVAL_FILE)], "max_new_tokens": 16},
         "output": {"dir": str(out)},
     })
@@ -33,15 +34,28 @@ EVAL_FILE = Path(__file__).resolve().parents[1] / "fixtures" / "mbpp_test_6.json
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_model_dir):
-    from tests.conftest import start_local_ray
+    """The job of this module, stopped and resumed as a user does: its training dies at step 3 (no restarts allowed,
+    so the driver exits, and stops the Ray it started), then ``ray-cluster-ft run --resume RUN_DIR`` continues it
+    from the step-2 checkpoint to the end. Returns ``(run dir, manifest, the train log's lines when it stopped)``.
+    The tests below check the finished run as any run: a resumed run must leave what an uninterrupted one does."""
+    import ray
 
-    start_local_ray()  # kept for the tests here that ask for ray_cpu
+    from ray_cluster_ft.cli import main
+
     out = tmp_path_factory.mktemp("run")
-    return out, run_pipeline(_config(tiny_model_dir, out))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", "3")
+        with pytest.raises(Exception, match="injected failure at step 3"):
+            run_pipeline(_config(tiny_model_dir, out))
+    assert not ray.is_initialized()
+    assert not (out / "manifest.json").exists() and (out / "config.yaml").exists()
+    stopped_log = (out / "train_log.jsonl").read_text().splitlines()
+    assert main(["run", "--resume", str(out)]) == 0
+    return out, json.loads((out / "manifest.json").read_text()), stopped_log
 
 
 def test_artifacts_written(run):
-    out, manifest = run
+    out, manifest, _ = run
     for name in ("examples.parquet", "eval_examples.parquet", "rejected.jsonl", "clusters.parquet",
                  "selection.parquet", "plan.parquet", "trained.parquet", "manifest.json", "report.md"):
         assert (out / name).is_file(), name
@@ -51,7 +65,7 @@ def test_artifacts_written(run):
 
 
 def test_counts_add_up(run):
-    _, m = run
+    _, m, _ = run
     c = m["counts"]
     assert c["read"] == 48
     assert c["read"] == c["accepted"] + c["rejected"]
@@ -62,7 +76,7 @@ def test_counts_add_up(run):
 
 
 def test_each_rank_trained_its_plan_in_order(run):
-    out, _ = run
+    out, _, _ = run
     plan = pd.read_parquet(out / "plan.parquet")
     trained = pd.read_parquet(out / "trained.parquet")
     assert sorted(plan["rank"].unique()) == [0, 1]
@@ -79,7 +93,7 @@ def test_each_rank_trained_its_plan_in_order(run):
 def test_final_model_loads_and_eval_ran(run):
     from transformers import AutoModelForCausalLM
 
-    out, m = run
+    out, m, _ = run
     model = AutoModelForCausalLM.from_pretrained(m["train"]["final_model"])
     assert model.config.num_hidden_layers == 2
     assert set(m["eval"]["before"]) == set(m["eval"]["after"]) >= {"all"}
@@ -103,7 +117,7 @@ def test_final_model_loads_and_eval_ran(run):
 
 
 def test_extra_eval_files_are_scored_and_never_trained(run):
-    out, m = run
+    out, m, _ = run
     f = m["eval_files"][str(EVAL_FILE)]
     assert (f["read"], f["scored"], f["rejected"], f["overlap_with_candidates"]) == (6, 6, 0, 0)
     for when in ("before", "after"):
@@ -137,7 +151,7 @@ def test_verify_trained_catches_a_swap():
 
 
 def test_plan_only_rerun_gives_identical_selection_and_plan(run, tmp_path, tiny_model_dir):
-    out, manifest = run
+    out, manifest, _ = run
     m = run_pipeline(_config(tiny_model_dir, tmp_path), plan_only=True)
     assert m["train"] is None and m["counts"]["trained"] == 0 and not (tmp_path / "trained.parquet").exists()
     for name in ("selection.parquet", "plan.parquet", "clusters.parquet"):
@@ -170,30 +184,11 @@ def test_plan_only_rerun_gives_identical_selection_and_plan(run, tmp_path, tiny_
           pure["plan_metrics"]["cluster"]["single_cluster_fraction"])
 
 
-def test_resume_after_the_driver_stopped_mid_training(tmp_path, tiny_model_dir, monkeypatch):
-    """A run whose training dies at step 3 (no restarts allowed, so the driver exits) is continued with
-    ``ray-cluster-ft run --resume RUN_DIR``: it restarts from the step-2 checkpoint and the trained log still
-    holds every planned example exactly once per epoch, in plan order."""
-    import ray
-
-    from ray_cluster_ft.cli import main
-
-    out = tmp_path / "run"
-    cfg = _config(tiny_model_dir, out).model_copy(deep=True)
-    cfg.train.grad_accum = 1  # 4 steps per epoch
-    cfg.train.checkpoint_every = 2
-    cfg.train.max_failures = 0
-    cfg.evaluation.max_mc, cfg.evaluation.max_code, cfg.evaluation.paths = 0, 0, []  # scored by the module's run
-    monkeypatch.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", "3")
-    with pytest.raises(Exception, match="injected failure at step 3"):
-        run_pipeline(cfg)
-    assert not ray.is_initialized()
-    assert not (out / "manifest.json").exists() and (out / "config.yaml").exists()
-    stopped_log = (out / "train_log.jsonl").read_text().splitlines()
+def test_the_stopped_run_resumed_after_its_newest_checkpoint(run):
+    """The module's run died at step 3 and was continued with ``run --resume``: it restarted from the step-2
+    checkpoint and the trained log still holds every planned example exactly once per epoch, in plan order."""
+    out, m, stopped_log = run
     assert len(stopped_log) == 2
-
-    assert main(["run", "--resume", str(out)]) == 0
-    m = json.loads((out / "manifest.json").read_text())
     assert m["resumed"] and m["train"]["resumed_from_step"] == 2
     assert m["checks"]["matches_plan"] and m["checks"]["once_per_epoch"]
     log = (out / "train_log.jsonl").read_text().splitlines()
@@ -203,7 +198,7 @@ def test_resume_after_the_driver_stopped_mid_training(tmp_path, tiny_model_dir, 
     assert verify_trained(plan, trained)["matches_plan"]
 
 
-def test_resume_refuses_a_changed_plan_and_a_missing_run(ray_cpu, run, tmp_path, capsys):
+def test_resume_refuses_a_changed_plan_and_a_missing_run(run, tmp_path, capsys):
     import shutil
 
     from ray_cluster_ft.cli import main
