@@ -14,7 +14,9 @@ else (:func:`require_local_model`), so no node resolves a name against its own h
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -25,6 +27,7 @@ from .config import ConfigError, JobConfig
 
 __all__ = [
     "DEMO_MODEL",
+    "forward_keeps_logits",
     "load_tokenizer_only",
     "cache_dir",
     "package_dir",
@@ -572,3 +575,16 @@ def check_module_patterns(cfg: JobConfig, model_path: str, need_sketch: bool) ->
             suffixes = sorted({n.rsplit(".", 1)[-1] for n in names})
             raise ConfigError(f"{key}: {', '.join(map(repr, missing))} match no nn.Linear of {path} (module name "
                               f"suffixes there: {', '.join(suffixes)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _class_keeps_logits(cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
+def forward_keeps_logits(model) -> bool:
+    """Whether ``model`` (a transformers causal LM, or a PEFT model around one, which passes the keyword on to its
+    base model) takes ``logits_to_keep`` in ``forward``: transformers' causal LMs do since 4.50 (a 1-D tensor keeps
+    those positions of every row). Callers without it compute all logits."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _class_keeps_logits(type(base))

@@ -8,10 +8,26 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
-__all__ = ["IGNORE_INDEX", "collate", "as_token_rows", "pack"]
+__all__ = ["IGNORE_INDEX", "collate", "as_token_rows", "logits_positions", "pack"]
 
 IGNORE_INDEX = -100
 """Label of tokens without loss (prompt and padding), the Hugging Face convention."""
+
+
+def logits_positions(labels) -> np.ndarray:
+    """The sequence positions whose logits a loss reads: ``t`` such that ``labels[b, t + 1]`` is a label for some
+    row ``b``. A packed micro-batch (one row) gets exactly its label positions; a padded batch the union over its
+    rows (the other rows' entries there are ``-100`` and cost nothing but their share of the LM head). Passed to
+    a transformers causal LM as ``logits_to_keep``, it keeps prompt tokens and padding out of the LM head.
+
+    Args:
+        labels: int ``(B, T)`` array or host tensor, ``-100`` where no loss is taken.
+
+    Returns:
+        int64 ``(K,)``, ascending, each in ``[0, T - 1)``.
+    """
+    lab = np.asarray(labels)
+    return np.flatnonzero((lab[:, 1:] != IGNORE_INDEX).any(axis=0)).astype(np.int64)
 
 
 def as_token_rows(column: Any, name: str = "input_ids") -> list[np.ndarray]:

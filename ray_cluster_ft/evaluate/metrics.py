@@ -12,7 +12,8 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
-from ..data.collate import collate
+from ..data.collate import collate, logits_positions
+from ..model import forward_keeps_logits
 
 __all__ = [
     "LETTERS",
@@ -32,7 +33,8 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
     """Response-token loss per domain and overall.
 
     Args:
-        model: a causal LM (``model(input_ids, attention_mask).logits`` of shape (B, T, V)).
+        model: a causal LM (``model(input_ids, attention_mask).logits`` of shape (B, T, V)); one whose
+            ``forward`` takes ``logits_to_keep`` computes logits only where a label follows.
         examples: rows with ``input_ids``, ``labels``, ``domain`` (``data.EXAMPLE_SCHEMA``; ``example_id`` too
             when ``prompt_end_scores`` is given).
         batch_size: examples per forward pass (sorted by length to cut padding).
@@ -59,17 +61,23 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
     ntok: dict[str, int] = defaultdict(int)
     nex: dict[str, int] = defaultdict(int)
     device = next(model.parameters()).device
+    keep = forward_keeps_logits(model)
     was_training = model.training
     model.eval()
     with torch.no_grad():
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             b = collate([ids[i] for i in idx], [labels[i] for i in idx], pad_token_id)
+            # Logits only where a label follows: a multiple-choice row's long prompt never reaches the LM head.
+            pos = logits_positions(b["labels"]) if keep else np.arange(b["labels"].shape[1] - 1)
             b = {k: torch.from_numpy(v).to(device) for k, v in b.items()}
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
-            tgt = b["labels"][:, 1:]
+            at = torch.from_numpy(pos).to(device)
+            extra = {"logits_to_keep": at} if keep else {}
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **extra).logits.float()
+            logits = logits if keep else logits[:, :-1]
+            tgt = b["labels"].index_select(1, at + 1)
             lp = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="none"
+                logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="none"
             ).view(tgt.shape)
             valid = tgt != -100
             per_ex = (lp * valid).sum(1).cpu().numpy()
@@ -81,7 +89,10 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
                     nex[d] += 1
                 if eids[i] in want:
                     n_p = next((t for t, x in enumerate(labels[i]) if x != -100), len(labels[i]))
-                    row = torch.log_softmax(logits[j, n_p - 1].double(), dim=-1)
+                    col = int(np.searchsorted(pos, n_p - 1))  # a label follows n_p - 1: it is kept
+                    if col == len(pos) or pos[col] != n_p - 1:
+                        raise ValueError(f"example {eids[i]!r}: no response token to score after its prompt")
+                    row = torch.log_softmax(logits[j, col].double(), dim=-1)
                     prompt_end_scores[eids[i]] = row[list(want[eids[i]])].cpu().numpy()
     model.train(was_training)
     out = {}

@@ -25,16 +25,15 @@ Logits only where a loss is taken: the LM head runs on the positions whose next 
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 
 import numpy as np
 
-from ..data.collate import IGNORE_INDEX, collate, pack
+from ..data.collate import IGNORE_INDEX, collate, logits_positions, pack
+from ..model import forward_keeps_logits
 
-__all__ = ["FLASH_VARLEN_KEYS", "ForwardTimer", "collate_micro_batch", "logits_positions", "micro_batch_to_device",
-           "to_device", "token_exact_loss", "train_micro_batch"]
+__all__ = ["FLASH_VARLEN_KEYS", "ForwardTimer", "collate_micro_batch", "micro_batch_to_device", "to_device",
+           "token_exact_loss", "train_micro_batch"]
 
 FLASH_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """The keyword arguments of a packed micro-batch that flash-attention varlen reads (transformers'
@@ -99,7 +98,7 @@ def collate_micro_batch(batch: dict[str, np.ndarray], pad_token_id: int, device,
         ``position_ids``, ``labels``: int64 ``(1, N)`` with ``N = sum_i L_i``, no ``attention_mask``;
         ``weight``: float32 ``(1, N)``, the row's weight on each of its tokens; plus the int32
         ``cu_seq_lens_q/k`` and int ``max_length_q/k`` when asked. Both: ``logits_positions``, int64 ``(K,)``
-        (:func:`logits_positions`). All tensors on the host (pinned for CUDA).
+        (:func:`ray_cluster_ft.data.collate.logits_positions`). All tensors on the host (pinned for CUDA).
     """
     import torch
 
@@ -134,21 +133,6 @@ def micro_batch_to_device(batch: dict[str, np.ndarray], pad_token_id: int, devic
     return to_device(collate_micro_batch(batch, pad_token_id, device, packed, flash_attn_kwargs), device)
 
 
-def logits_positions(labels) -> np.ndarray:
-    """The sequence positions whose logits a loss reads: ``t`` such that ``labels[b, t + 1]`` is a label for some
-    row ``b``. A packed micro-batch (one row) gets exactly its label positions; a padded one the union over its
-    rows (the other rows' entries there are ``-100`` and cost nothing but their share of the LM head).
-
-    Args:
-        labels: int ``(B, T)`` array or tensor on the host, ``-100`` where no loss is taken.
-
-    Returns:
-        int64 ``(K,)``, ascending, each in ``[0, T - 1)``.
-    """
-    lab = np.asarray(labels)
-    return np.flatnonzero((lab[:, 1:] != IGNORE_INDEX).any(axis=0)).astype(np.int64)
-
-
 def token_exact_loss(logits, labels, weight, positions=None):
     """``sum_i w_i sum_t l_it`` of one micro-batch: the weighted sum of next-token cross-entropies over its
     label tokens.
@@ -160,7 +144,8 @@ def token_exact_loss(logits, labels, weight, positions=None):
         weight: float ``(B,)`` per-example weights, or ``(B, T)`` per-token weights aligned with ``labels`` (a
             packed micro-batch: the weight of label ``t`` is that of the example holding token ``t``).
         positions: int64 ``(K,)`` on the logits' device, the positions ``logits`` holds
-            (:func:`logits_positions`: every label of ``labels`` is at one of them), or ``None`` for all ``T``.
+            (:func:`ray_cluster_ft.data.collate.logits_positions`: every label of ``labels`` is at one of
+            them), or ``None`` for all ``T``.
 
     Returns:
         A float32 scalar tensor (nats, summed, not averaged).
@@ -178,19 +163,6 @@ def token_exact_loss(logits, labels, weight, positions=None):
     if w.dim() == 2:
         return (ce * w.float()).sum()
     return (ce.sum(dim=1) * w.float()).sum()
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_keeps_logits(cls: type) -> bool:
-    """Whether a model class's ``forward`` takes ``logits_to_keep`` (transformers' causal LMs since 4.50)."""
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters
-
-
-def _keeps_logits(module) -> bool:
-    """:func:`_forward_keeps_logits` of the Hugging Face model inside ``module`` (a PEFT model passes the keyword
-    through to its base model)."""
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    return _forward_keeps_logits(type(base))
 
 
 def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None = None,
@@ -222,7 +194,7 @@ def train_micro_batch(engine, mb: dict, scale: float, timer: ForwardTimer | None
         timer.start()
     extra = {k: mb[k] for k in ("attention_mask", "position_ids", *FLASH_VARLEN_KEYS) if k in mb}
     positions = mb.get("logits_positions")
-    if positions is not None and _keeps_logits(engine.module):
+    if positions is not None and forward_keeps_logits(engine.module):
         extra["logits_to_keep"] = positions
     else:
         positions = None

@@ -52,6 +52,48 @@ def test_heldout_loss_equals_token_weighted_reference(tiny):
     assert res["code"]["examples"] == 2 and res["all"]["examples"] == 3
 
 
+def test_heldout_loss_reads_logits_only_where_a_label_follows(tiny):
+    """The LM head runs on the label positions of the batch (``logits_to_keep``); a model whose ``forward`` lacks
+    the keyword gets every position, and both give the same losses and prompt-end scores."""
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for i, (n, n_prompt) in enumerate([(14, 10), (9, 6), (11, 9)]):  # long prompts, short responses
+        ids = torch.randint(3, 1000, (n,), generator=g).tolist()
+        rows.append((f"e{i}", ids, [-100] * n_prompt + ids[n_prompt:], "medical"))
+    table = pa.table({"example_id": [r[0] for r in rows], "input_ids": [r[1] for r in rows],
+                      "labels": [r[2] for r in rows], "domain": [r[3] for r in rows]})
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, **kw):
+            seen.append(kw.get("logits_to_keep"))
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, **kw)
+
+    class Keeps(Recorder):
+        def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
+            return super().forward(input_ids, attention_mask, logits_to_keep=logits_to_keep)
+
+    class NoKeep(Recorder):
+        def forward(self, input_ids, attention_mask=None):
+            return super().forward(input_ids, attention_mask)
+
+    got = {}
+    for cls in (Keeps, NoKeep):
+        scores = {r[0]: [11, 12, r[1][len(r[1]) - sum(x != -100 for x in r[2])]] for r in rows}
+        got[cls] = (heldout_loss(cls(tiny), table, batch_size=3, prompt_end_scores=scores), scores)
+    (keep_loss, keep_scores), (all_loss, all_scores) = got[Keeps], got[NoKeep]
+    # one batch of 3 rows padded to 14: the label positions 5..12 (row 1's from 5, row 0's to 12), not 0..12
+    assert seen[0].tolist() == list(range(5, 13)) and seen[1] is None
+    assert keep_loss["all"]["loss"] == pytest.approx(all_loss["all"]["loss"], rel=1e-6)
+    assert keep_loss["all"]["tokens"] == all_loss["all"]["tokens"] == 4 + 3 + 2
+    for e in keep_scores:
+        np.testing.assert_allclose(keep_scores[e], all_scores[e], rtol=1e-6)
+
+
 def test_heldout_loss_empty_table(tiny):
     empty = pa.table({"input_ids": pa.array([], pa.list_(pa.int32())), "labels": pa.array([], pa.list_(pa.int32())),
                       "domain": pa.array([], pa.string())})

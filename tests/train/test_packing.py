@@ -68,7 +68,7 @@ def test_packed_micro_batch_carries_per_token_weights():
 
 
 def test_logits_positions_are_the_union_of_the_rows_label_positions():
-    from ray_cluster_ft.train.step import logits_positions
+    from ray_cluster_ft.data.collate import logits_positions
 
     labels = np.array([[-100, -100, 5, 6, -100, 7], [-100, 4, -100, -100, -100, -100]])
     np.testing.assert_array_equal(logits_positions(labels), [0, 1, 2, 4])
