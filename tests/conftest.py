@@ -80,8 +80,8 @@ def local_ray_kwargs(**extra) -> dict:
 
 def start_local_ray():
     """The suite's local Ray in this process (2 CPUs, no dashboard, ``DS_ACCELERATOR=cpu`` on its workers), started
-    unless one runs already; returns the ``ray`` module. For module fixtures that run a job (the pipeline joins a
-    Ray this process has started, and leaves it running)."""
+    unless one runs already; returns the ``ray`` module (:func:`ray_cpu`). A pipeline run in the same process joins
+    it, and leaves it running."""
     import ray
 
     if not ray.is_initialized():
@@ -97,14 +97,26 @@ def ray_cpu():
     return start_local_ray()
 
 
-@pytest.fixture(autouse=True)
-def _no_ray_unless_asked(request):
-    """Shut down the shared Ray before a test that does not ask for ``ray_cpu``: such a test may start Ray itself,
-    check what the code under test starts and stops, or run a job in a fresh local Ray as a user does."""
+def _shutdown_ray() -> None:
     import sys
 
-    if "ray_cpu" not in request.fixturenames and "ray" in sys.modules:
+    if "ray" in sys.modules:
         import ray
 
         if ray.is_initialized():
             ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_across_files():
+    """Every test file starts with no Ray in this process: a file whose tests all ask for ``ray_cpu`` leaves it
+    running, and the next file's module fixtures (set up before any of its tests' fixtures) must not join it."""
+    _shutdown_ray()
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_unless_asked(request):
+    """Shut down the shared Ray before a test that does not ask for ``ray_cpu``: such a test may start Ray itself,
+    check what the code under test starts and stops, or run a job in a fresh local Ray as a user does."""
+    if "ray_cpu" not in request.fixturenames:
+        _shutdown_ray()
