@@ -78,23 +78,17 @@ def local_ray_kwargs(**extra) -> dict:
     return {"address": "local", "num_cpus": 2, "include_dashboard": False, "dashboard_port": free_port(), **extra}
 
 
-def start_local_ray():
-    """The suite's local Ray in this process (2 CPUs, no dashboard, ``DS_ACCELERATOR=cpu`` on its workers), started
-    unless one runs already; returns the ``ray`` module (:func:`ray_cpu`). A pipeline run in the same process joins
-    it, and leaves it running."""
+@pytest.fixture
+def ray_cpu():
+    """A local Ray for the test (2 CPUs, no dashboard, ``DS_ACCELERATOR=cpu`` on its workers), shared with the tests
+    before and after it that ask for it too: a session costs about 10 CPU-seconds to start and stop (the GCS,
+    raylet, agents and Ray Data's actors), and the suite starts dozens. A pipeline run in the test joins it and
+    leaves it running. A test that does not ask for it starts with none (:func:`_no_ray_unless_asked`)."""
     import ray
 
     if not ray.is_initialized():
         ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}))
     return ray
-
-
-@pytest.fixture
-def ray_cpu():
-    """A local Ray for the test (:func:`start_local_ray`), shared with the tests before and after it that ask for it
-    too: a session costs about 10 CPU-seconds to start and stop (the GCS, raylet, agents and Ray Data's actors), and
-    the suite starts dozens. A test that does not ask for it starts with none (:func:`_no_ray_unless_asked`)."""
-    return start_local_ray()
 
 
 def _shutdown_ray() -> None:

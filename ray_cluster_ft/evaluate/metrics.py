@@ -69,12 +69,12 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
             idx = order[start : start + batch_size]
             b = collate([ids[i] for i in idx], [labels[i] for i in idx], pad_token_id)
             # Logits only where a label follows: a multiple-choice row's long prompt never reaches the LM head.
-            pos = logits_positions(b["labels"]) if keep else np.arange(b["labels"].shape[1] - 1)
+            pos = logits_positions(b["labels"])
             b = {k: torch.from_numpy(v).to(device) for k, v in b.items()}
             at = torch.from_numpy(pos).to(device)
             extra = {"logits_to_keep": at} if keep else {}
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **extra).logits.float()
-            logits = logits if keep else logits[:, :-1]
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **extra).logits
+            logits = (logits if keep else logits.index_select(1, at)).float()
             tgt = b["labels"].index_select(1, at + 1)
             lp = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="none"
@@ -90,7 +90,7 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
                 if eids[i] in want:
                     n_p = next((t for t, x in enumerate(labels[i]) if x != -100), len(labels[i]))
                     col = int(np.searchsorted(pos, n_p - 1))  # a label follows n_p - 1: it is kept
-                    if col == len(pos) or pos[col] != n_p - 1:
+                    if col == len(pos) or pos[col] != n_p - 1:  # the row has no label
                         raise ValueError(f"example {eids[i]!r}: no response token to score after its prompt")
                     row = torch.log_softmax(logits[j, col].double(), dim=-1)
                     prompt_end_scores[eids[i]] = row[list(want[eids[i]])].cpu().numpy()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ray_cluster_ft.data import IGNORE_INDEX, collate
-from ray_cluster_ft.data.collate import as_token_rows
+from ray_cluster_ft.data.collate import as_token_rows, logits_positions
 
 
 def test_right_padding_with_labels():
@@ -55,3 +55,9 @@ def test_as_token_rows_accepts_ragged_and_2d_columns():
         as_token_rows(bad)
     with pytest.raises(ValueError, match="ragged column or a 2-D array"):
         as_token_rows(np.zeros((2, 2, 2)))
+
+
+def test_logits_positions_are_the_union_of_the_rows_label_positions():
+    labels = np.array([[-100, -100, 5, 6, -100, 7], [-100, 4, -100, -100, -100, -100]])
+    np.testing.assert_array_equal(logits_positions(labels), [0, 1, 2, 4])
+    assert logits_positions(np.full((2, 3), -100)).tolist() == []

@@ -67,14 +67,6 @@ def test_packed_micro_batch_carries_per_token_weights():
     np.testing.assert_array_equal(mb["logits_positions"].numpy(), [1, 2, 5, 6, 7, 8, 11])
 
 
-def test_logits_positions_are_the_union_of_the_rows_label_positions():
-    from ray_cluster_ft.data.collate import logits_positions
-
-    labels = np.array([[-100, -100, 5, 6, -100, 7], [-100, 4, -100, -100, -100, -100]])
-    np.testing.assert_array_equal(logits_positions(labels), [0, 1, 2, 4])
-    assert logits_positions(np.full((2, 3), -100)).tolist() == []
-
-
 @pytest.mark.parametrize("packed", [True, False])
 def test_logits_at_label_positions_only_give_the_full_loss_and_gradient(tiny_model_dir, packed):
     """The training step's LM head runs only where a label follows (``logits_to_keep``): the same loss and
