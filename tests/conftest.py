@@ -80,14 +80,17 @@ def local_ray_kwargs(**extra) -> dict:
 
 @pytest.fixture
 def ray_cpu():
-    """A local Ray for the test (2 CPUs, no dashboard, ``DS_ACCELERATOR=cpu`` on its workers), shared with the tests
-    before and after it that ask for it too: a session costs about 10 CPU-seconds to start and stop (the GCS,
-    raylet, agents and Ray Data's actors), and the suite starts dozens. A pipeline run in the test joins it and
+    """A local Ray for the test (2 CPUs, no dashboard; on its workers ``DS_ACCELERATOR=cpu`` and the Ray Train
+    settings the pipeline gives a local Ray), shared with the tests before and after it that ask for it too: a
+    session costs about 10 CPU-seconds to start and stop (the GCS, raylet, agents and Ray Data's actors), and the
+    suite starts dozens. A pipeline run in the test joins it and
     leaves it running. A test that does not ask for it starts with none (:func:`_no_ray_unless_asked`)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}))
+        from ray_cluster_ft.pipeline.session import LOCAL_TRAIN_ENV
+
+        ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", **LOCAL_TRAIN_ENV}}))
     return ray
 
 

@@ -49,11 +49,33 @@ def test_no_address_starts_a_new_local_ray_and_an_address_joins(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", raising=False)
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
     assert init_ray(None, use_gpu=False) is True
-    assert calls[-1]["address"] == "local" and calls[-1]["runtime_env"] == {"env_vars": {"DS_ACCELERATOR": "cpu"}}
+    assert calls[-1]["address"] == "local"
+    assert calls[-1]["runtime_env"] == {"env_vars": {"DS_ACCELERATOR": "cpu", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+                                                     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}}
     assert init_ray("auto", use_gpu=True) and calls[-1]["address"] == "auto"
+    assert calls[-1]["runtime_env"] == {"env_vars": {}}  # a joined cluster keeps Ray Train's own settings
     monkeypatch.setenv("RAY_ADDRESS", "auto")
     assert init_ray(None, use_gpu=False) and calls[-1]["address"] == "auto"
+    assert calls[-1]["runtime_env"] == {"env_vars": {"DS_ACCELERATOR": "cpu"}}
+
+
+def test_a_local_ray_takes_the_users_ray_train_settings_over_its_own(monkeypatch):
+    import ray
+
+    from ray_cluster_ft.pipeline.session import init_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "3")
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
+    assert init_ray(None, use_gpu=True)
+    # Ray Train passes the driver's own value to its controller; the session adds only what the user left unset.
+    assert calls[-1]["runtime_env"] == {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}}
 
 
 def test_ray_session_shuts_down_what_it_started_and_on_an_interrupt_what_it_joined(monkeypatch):
