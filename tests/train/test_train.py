@@ -254,7 +254,9 @@ def test_train_zero2_follows_plan_through_an_injected_failure(ray_cpu, tiny_mode
                       timeout_s=120, checkpoint_every=2, max_failures=1)
     plan = make_plan(ex.column("example_id").to_pylist(), world=2, mbs=2, ga=2, epochs=2, seed=1)
     monkeypatch.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", "4")
+    staged_before = _temp_checkpoint_dirs()
     res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2)
+    _check_one_checkpoint_in_place(res, plan, tmp_path / "run", staged_before, grad_accum=2)
 
     assert (tmp_path / "run" / ".fault_injected").exists() and res.resumed_from_step == 2
     assert res.steps == 8
@@ -293,6 +295,31 @@ def test_train_zero2_follows_plan_through_an_injected_failure(ray_cpu, tiny_mode
     _state_dict_keys_and_load(tiny_model, res.final_model_dir)
 
 
+def _temp_checkpoint_dirs() -> set[str]:
+    import tempfile
+    from pathlib import Path
+
+    return {p.name for p in Path(tempfile.gettempdir()).glob("ds_ckpt_*")}
+
+
+def _check_one_checkpoint_in_place(res, plan: pd.DataFrame, run_dir, staged_before: set[str], grad_accum: int) -> None:
+    """Checkpoints are written once, straight into Ray Train's run folder (no temporary folder copied by Ray), and
+    only the final one is left, complete for this plan, with every rank's optimizer state."""
+    from ray_cluster_ft.train.checkpoints import checkpoint_problem
+    from ray_cluster_ft.train.loop import checkpoint_dir_name
+    from ray_cluster_ft.train.rank_data import plan_hash
+
+    storage = run_dir / "ray_train" / "train"
+    left = sorted(p.name for p in storage.glob("checkpoint_*") if p.is_dir())  # not Ray's own snapshot file
+    assert _temp_checkpoint_dirs() <= staged_before  # nothing staged in a temporary folder
+    assert left == [checkpoint_dir_name(res.steps)] and res.checkpoint_path == str(storage / left[0])
+    done, why = checkpoint_problem(storage / left[0], 2, plan_hash(plan))
+    assert why is None and done == res.steps * grad_accum  # micro-batches
+    for rank in (0, 1):
+        pos = json.loads((storage / left[0] / f"plan_position_rank{rank}.json").read_text())
+        assert pos["steps_done"] == res.steps and any(name.endswith("optim_states.pt") for name in pos["files"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("stage", "lora"),
@@ -304,12 +331,17 @@ def test_train_saves_loadable_model(ray_cpu, tiny_model, tmp_path, stage, lora):
 
     ex = make_examples(8, seed=stage)
     lora_cfg = {"enabled": lora is not None, "r": 4, "alpha": 8, "merge": lora == "merged"}
+    # ZeRO-0 also runs train.final_checkpoint: false, checkpointing every step: only final_model/ is left.
+    no_final = {"checkpoint_every": 1, "final_checkpoint": False} if stage == 0 else {}
     cfg = TrainConfig(num_workers=2, zero_stage=stage, micro_batch_size=2, grad_accum=1, epochs=1, lr=1e-2,
-                      timeout_s=120, lora=lora_cfg)
+                      timeout_s=120, lora=lora_cfg, **no_final)
     plan = make_plan(ex.column("example_id").to_pylist(), world=2, mbs=2, ga=1, epochs=1)
     res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2)
     assert res.steps == 2
     assert math.isfinite(res.final_loss)
+    if no_final:
+        assert not [p for p in (tmp_path / "run" / "ray_train" / "train").glob("checkpoint_*") if p.is_dir()]
+        assert res.checkpoint_path is None
     if lora == "adapter":
         import torch
 
