@@ -25,7 +25,8 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # A tiny model trains its steps in well under a second, so Ray Train's fixed costs are most of a training test: the
 # controller polls the workers every 2 s (a run's start and its end each wait up to one interval), and every run
 # starts a preemption watcher actor (one more process) that follows node draining on autoscaled clusters, which the
-# suite has none of. Propagated by Ray Train to its controller and workers, and inherited by CLI subprocesses.
+# suite has none of. Propagated by Ray Train to its controller and workers, and inherited by CLI subprocesses. The
+# driver's values win over the 0.5 s the package gives a local Ray it starts (pipeline.session.LOCAL_TRAIN_ENV).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
@@ -80,17 +81,15 @@ def local_ray_kwargs(**extra) -> dict:
 
 @pytest.fixture
 def ray_cpu():
-    """A local Ray for the test (2 CPUs, no dashboard; on its workers ``DS_ACCELERATOR=cpu`` and the Ray Train
-    settings the pipeline gives a local Ray), shared with the tests before and after it that ask for it too: a
-    session costs about 10 CPU-seconds to start and stop (the GCS, raylet, agents and Ray Data's actors), and the
-    suite starts dozens. A pipeline run in the test joins it and
+    """A local Ray for the test (2 CPUs, no dashboard, ``DS_ACCELERATOR=cpu`` on its workers; Ray Train's polling
+    and preemption watcher as set at the top of this file), shared with the tests before and after it that ask for
+    it too: a session costs about 10 CPU-seconds to start and stop (the GCS, raylet, agents and Ray Data's
+    actors), and the suite starts dozens. A pipeline run in the test joins it and
     leaves it running. A test that does not ask for it starts with none (:func:`_no_ray_unless_asked`)."""
     import ray
 
     if not ray.is_initialized():
-        from ray_cluster_ft.pipeline.session import LOCAL_TRAIN_ENV
-
-        ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", **LOCAL_TRAIN_ENV}}))
+        ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}))
     return ray
 
 

@@ -65,8 +65,9 @@ def init_ray(address: str | None, use_gpu: bool | None) -> bool:
     ``--address auto`` (or ``$RAY_ADDRESS``).
 
     ``use_gpu`` False gives every Ray worker ``DS_ACCELERATOR=cpu`` (DeepSpeed on CPU workers), True nothing;
-    None (a caller that does not run this project's training) sets no variable. A new local Ray also gets
-    :data:`LOCAL_TRAIN_ENV` (Ray Train's polling for one machine); a joined cluster keeps its own settings.
+    None (a caller that does not run this project's training) no ``DS_ACCELERATOR``. Whatever ``use_gpu``, a new
+    local Ray also gets :data:`LOCAL_TRAIN_ENV` (Ray Train's polling for one machine, also for a user's own
+    ``TorchTrainer`` on it), less any key set in this process's environment; a joined cluster gets none.
 
     Raises:
         ConfigError: the address is unreachable (checked within seconds), or Ray could not start or connect.

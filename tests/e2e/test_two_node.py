@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_cluster_ft.pipeline.session import LOCAL_TRAIN_ENV
 from tests._processes import stop_started
 from tests.conftest import free_port
 
@@ -87,9 +86,9 @@ def two_nodes():
     env.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep),
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
-    # Two processes of one machine: Ray Train polls as on the pipeline's own local Ray (the driver's values pass
-    # to the controller), where a joined cluster would otherwise keep Ray Train's defaults.
-    env.update(LOCAL_TRAIN_ENV)
+    # A joined cluster, as users have: Ray Train starts its preemption watcher (the suite turns it off elsewhere,
+    # tests/conftest.py); the suite's faster polling stays.
+    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
     port, client_port = free_port(), free_port()
     head_cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
                 "--include-dashboard=false", f"--ray-client-server-port={client_port}",

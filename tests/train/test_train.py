@@ -256,10 +256,10 @@ def test_train_zero2_follows_plan_through_an_injected_failure(ray_cpu, tiny_mode
     monkeypatch.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", "4")
     staged_before = _temp_checkpoint_dirs()
     res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2)
-    _check_one_checkpoint_in_place(res, plan, tmp_path / "run", staged_before, grad_accum=2)
 
     assert (tmp_path / "run" / ".fault_injected").exists() and res.resumed_from_step == 2
     assert res.steps == 8
+    _check_one_checkpoint_in_place(res, plan, tmp_path / "run", staged_before, grad_accum=2)
     trained = pd.read_parquet(res.trained_path)
     assert list(trained.columns) == ["rank", "step", "micro_index", "epoch", "example_id"]
     for r in range(2):
@@ -340,7 +340,8 @@ def test_train_saves_loadable_model(ray_cpu, tiny_model, tmp_path, stage, lora):
     assert res.steps == 2
     assert math.isfinite(res.final_loss)
     if no_final:
-        assert not [p for p in (tmp_path / "run" / "ray_train" / "train").glob("checkpoint_*") if p.is_dir()]
+        storage = tmp_path / "run" / "ray_train" / "train"
+        assert storage.is_dir() and not [p for p in storage.glob("checkpoint_*") if p.is_dir()]
         assert res.checkpoint_path is None
     if lora == "adapter":
         import torch
