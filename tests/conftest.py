@@ -84,8 +84,8 @@ def ray_cpu():
     """A local Ray for the test (2 CPUs, no dashboard, ``DS_ACCELERATOR=cpu`` on its workers; Ray Train's polling
     and preemption watcher as set at the top of this file), shared with the tests before and after it that ask for
     it too: a session costs about 10 CPU-seconds to start and stop (the GCS, raylet, agents and Ray Data's
-    actors), and the suite starts dozens. A pipeline run in the test joins it and
-    leaves it running. A test that does not ask for it starts with none (:func:`_no_ray_unless_asked`)."""
+    actors), and the suite starts dozens. A pipeline run in the test joins it and leaves it running. A test that
+    does not ask for it starts with none (:func:`_no_ray_unless_asked`)."""
     import ray
 
     if not ray.is_initialized():

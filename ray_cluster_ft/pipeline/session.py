@@ -15,10 +15,10 @@ __all__ = ["check_local_resources", "check_reachable", "ensure_ray", "init_ray",
 
 
 # Ray Train's settings for a Ray this process starts on its own machine. The controller polls its workers every
-# 2 s by default, and a run's start, each checkpoint report and its end each wait for a poll: a short local run
-# spent 8 s of its 34 s train stage waiting (docs/benchmarks.md, "The test suite's time"). A local Ray has no
-# nodes to drain, so the preemption watcher (one more actor process per run) has nothing to watch. A value in the
-# driver's own environment wins: Ray Train passes it to the controller over these.
+# 2 s by default, and a run's start, each checkpoint report and its end each wait for a poll: a short local run's
+# train stage took 32-34 s with it, 24.5 s with 0.5 s (docs/benchmarks.md, "The test suite's time"). A local Ray
+# has no nodes to drain, so the preemption watcher (one more actor process per run) has nothing to watch. A value
+# in the driver's own environment wins: Ray Train passes it to the controller over these.
 LOCAL_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -15,7 +17,10 @@ from ray_cluster_ft.config import TrainConfig
 from ray_cluster_ft.allocate import check_plan
 from ray_cluster_ft.train.deepspeed import disable_shm_comm
 from ray_cluster_ft.train import build_deepspeed_config, build_rank_tables, train
+from ray_cluster_ft.train.checkpoints import checkpoint_problem
 from ray_cluster_ft.train.deepspeed import deepspeed_config, lr_multiplier, merge_deepspeed_config
+from ray_cluster_ft.train.loop import checkpoint_dir_name
+from ray_cluster_ft.train.rank_data import plan_hash
 
 VOCAB = 49152
 
@@ -130,8 +135,6 @@ def test_train_config_errors(tmp_path):
 
 
 def test_plan_hash_tracks_training_order():
-    from ray_cluster_ft.train.rank_data import plan_hash
-
     plan = make_plan([f"ex{i:03d}" for i in range(16)], world=2, mbs=2, ga=1, epochs=1)
     h = plan_hash(plan)
     # ranks listed in another order: same training order (rows within a rank keep their order)
@@ -248,18 +251,28 @@ def _state_dict_keys_and_load(model_dir, final_dir):
 @pytest.mark.slow
 def test_train_zero2_follows_plan_through_an_injected_failure(ray_cpu, tiny_model, tmp_path, monkeypatch):
     """Rank 0 raises once at step 4; the group restarts from the step-2 checkpoint and still trains exactly the
-    plan: step 3, trained before the failure, is cut from the logs and trained again, nothing is skipped."""
+    plan: step 3, trained before the failure, is cut from the logs and trained again, nothing is skipped. Its
+    checkpoints were written in place and only the final one is left."""
     ex = make_examples(32)
     cfg = TrainConfig(num_workers=2, zero_stage=2, micro_batch_size=2, grad_accum=2, epochs=2, lr=1e-3,
                       timeout_s=120, checkpoint_every=2, max_failures=1)
     plan = make_plan(ex.column("example_id").to_pylist(), world=2, mbs=2, ga=2, epochs=2, seed=1)
     monkeypatch.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", "4")
-    staged_before = _temp_checkpoint_dirs()
+    staged_before = set(Path(tempfile.gettempdir()).glob("ds_ckpt_*"))
     res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2)
 
     assert (tmp_path / "run" / ".fault_injected").exists() and res.resumed_from_step == 2
     assert res.steps == 8
-    _check_one_checkpoint_in_place(res, plan, tmp_path / "run", staged_before, grad_accum=2)
+    # Checkpoints are written once, straight into Ray Train's run folder (nothing staged in a temporary folder),
+    # and only the final one is left, complete for this plan, with every rank's optimizer state.
+    storage = tmp_path / "run" / "ray_train" / "train"
+    left = sorted(p.name for p in storage.glob("checkpoint_*") if p.is_dir())  # not Ray's own snapshot file
+    assert set(Path(tempfile.gettempdir()).glob("ds_ckpt_*")) <= staged_before
+    assert left == [checkpoint_dir_name(8)] and res.checkpoint_path == str(storage / left[0])
+    assert checkpoint_problem(storage / left[0], 2, plan_hash(plan)) == (8 * 2, None)  # micro-batches done
+    for rank in (0, 1):
+        pos = json.loads((storage / left[0] / f"plan_position_rank{rank}.json").read_text())
+        assert pos["steps_done"] == 8 and any(name.endswith("optim_states.pt") for name in pos["files"])
     trained = pd.read_parquet(res.trained_path)
     assert list(trained.columns) == ["rank", "step", "micro_index", "epoch", "example_id"]
     for r in range(2):
@@ -293,31 +306,6 @@ def test_train_zero2_follows_plan_through_an_injected_failure(ray_cpu, tiny_mode
     assert res.checkpoint_path is not None and os.listdir(res.checkpoint_path)
     assert (res.final_model_dir / "tokenizer.json").exists() or (res.final_model_dir / "tokenizer_config.json").exists()
     _state_dict_keys_and_load(tiny_model, res.final_model_dir)
-
-
-def _temp_checkpoint_dirs() -> set[str]:
-    import tempfile
-    from pathlib import Path
-
-    return {p.name for p in Path(tempfile.gettempdir()).glob("ds_ckpt_*")}
-
-
-def _check_one_checkpoint_in_place(res, plan: pd.DataFrame, run_dir, staged_before: set[str], grad_accum: int) -> None:
-    """Checkpoints are written once, straight into Ray Train's run folder (no temporary folder copied by Ray), and
-    only the final one is left, complete for this plan, with every rank's optimizer state."""
-    from ray_cluster_ft.train.checkpoints import checkpoint_problem
-    from ray_cluster_ft.train.loop import checkpoint_dir_name
-    from ray_cluster_ft.train.rank_data import plan_hash
-
-    storage = run_dir / "ray_train" / "train"
-    left = sorted(p.name for p in storage.glob("checkpoint_*") if p.is_dir())  # not Ray's own snapshot file
-    assert _temp_checkpoint_dirs() <= staged_before  # nothing staged in a temporary folder
-    assert left == [checkpoint_dir_name(res.steps)] and res.checkpoint_path == str(storage / left[0])
-    done, why = checkpoint_problem(storage / left[0], 2, plan_hash(plan))
-    assert why is None and done == res.steps * grad_accum  # micro-batches
-    for rank in (0, 1):
-        pos = json.loads((storage / left[0] / f"plan_position_rank{rank}.json").read_text())
-        assert pos["steps_done"] == res.steps and any(name.endswith("optim_states.pt") for name in pos["files"])
 
 
 @pytest.mark.slow
