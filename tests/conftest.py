@@ -40,33 +40,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_collection_modifyitems(items):
     """Files with end-to-end (``slow``) tests first, each file's tests kept together: xdist hands out whole files
     (``--dist loadfile``), so the long ones start at once instead of ending the run alone. Within a file the tests
-    that ask for ``ray_cpu`` come first, in file order, so that they share one Ray session (with the file before
-    too, when its last tests asked for it: :func:`pytest_runtest_setup`)."""
+    that ask for ``ray_cpu`` come first, in file order, so that they share one Ray session."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     first = {}
     for i, item in enumerate(items):
         first.setdefault(item.path, i)
     items.sort(key=lambda item: (item.path not in slow_files, first[item.path], "ray_cpu" not in item.fixturenames))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    """Before a test and its fixtures are set up: a test that asks for ``ray_cpu`` (itself or through a fixture,
-    module fixtures included) finds a local Ray running, started here if the test before it left none; any other
-    test finds none, so that it may start Ray itself, check what the code under test starts and stops, or run a
-    job in a fresh local Ray as a user does. Whether Ray runs never depends on the order tests run in.
-
-    One Ray serves every consecutive test that asks for it, across files: a local Ray costs 4.3 CPU-seconds to
-    start, run one task and stop without a dashboard, more once Ray Data has started its actors
-    (docs/benchmarks.md), and the suite ran dozens. Its workers get ``DS_ACCELERATOR=cpu``; Ray Train's polling and preemption watcher are set at the top
-    of this file."""
-    if "ray_cpu" in item.fixturenames:
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}))
-    else:
-        _shutdown_ray()
 
 
 @pytest.fixture(scope="session")
@@ -100,15 +79,17 @@ def local_ray_kwargs(**extra) -> dict:
     return {"address": "local", "num_cpus": 2, "include_dashboard": False, "dashboard_port": free_port(), **extra}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_cpu():
-    """The ``ray`` module, with a local Ray running (2 CPUs, no dashboard, ``DS_ACCELERATOR=cpu`` on its workers),
-    shared with the tests before and after that ask for it too (:func:`pytest_runtest_setup` starts and stops it).
-    Session-scoped so that module fixtures can ask for it: a pipeline run in such a fixture joins it and leaves it
-    running, as a run joins a user's cluster."""
+    """A local Ray for the test (2 CPUs, no dashboard, ``DS_ACCELERATOR=cpu`` on its workers; Ray Train's polling
+    and preemption watcher as set at the top of this file), shared with the tests before and after it that ask for
+    it too: a session costs about 10 CPU-seconds to start and stop (the GCS, raylet, agents and Ray Data's
+    actors), and the suite starts dozens. A pipeline run in the test joins it and leaves it running. A test that
+    does not ask for it starts with none (:func:`_no_ray_unless_asked`)."""
     import ray
 
-    assert ray.is_initialized(), "pytest_runtest_setup starts Ray for the tests that ask for ray_cpu"
+    if not ray.is_initialized():
+        ray.init(**local_ray_kwargs(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}))
     return ray
 
 
@@ -120,3 +101,18 @@ def _shutdown_ray() -> None:
 
         if ray.is_initialized():
             ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_across_files():
+    """Every test file starts with no Ray in this process: a file whose tests all ask for ``ray_cpu`` leaves it
+    running, and the next file's module fixtures (set up before any of its tests' fixtures) must not join it."""
+    _shutdown_ray()
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_unless_asked(request):
+    """Shut down the shared Ray before a test that does not ask for ``ray_cpu``: such a test may start Ray itself,
+    check what the code under test starts and stops, or run a job in a fresh local Ray as a user does."""
+    if "ray_cpu" not in request.fixturenames:
+        _shutdown_ray()

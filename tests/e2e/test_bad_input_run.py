@@ -14,7 +14,7 @@ from tests.cli.test_bad_input import BAD_LINES, _mixed_file
 
 
 @pytest.mark.slow
-def test_mixed_file_run_manifest_accounts_for_every_row(ray_cpu, tmp_path, tiny_model_dir):
+def test_mixed_file_run_manifest_accounts_for_every_row(tmp_path, tiny_model_dir):
     """The same file through a real run (up to the plan, random baselines so no sketching): the manifest adds up."""
     from ray_cluster_ft.pipeline import run_pipeline
 

@@ -25,7 +25,7 @@ def _cli(*argv):
 
 
 @pytest.fixture(scope="module")
-def prefetched(ray_cpu, tmp_path_factory, tiny_model_dir):
+def prefetched(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("features")
     spec = files_spec(tiny_model_dir)
     spec["sketch"]["store"] = str(tmp / "store")

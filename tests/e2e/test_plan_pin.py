@@ -28,7 +28,7 @@ def _plan_only(spec: Path, out: Path, command: str = "run") -> Path:
     return out
 
 
-def test_plan_only_artifacts_of_a_files_spec_are_pinned(ray_cpu, tmp_path):
+def test_plan_only_artifacts_of_a_files_spec_are_pinned(tmp_path):
     from ray_cluster_ft.model import make_tiny_model
 
     # The same tiny model as at the pin (make_tiny_model's defaults are seeded).
@@ -39,7 +39,7 @@ def test_plan_only_artifacts_of_a_files_spec_are_pinned(ray_cpu, tmp_path):
 
 
 @pytest.mark.slow
-def test_plan_only_artifacts_of_the_demo_spec_are_pinned(ray_cpu, tmp_path):
+def test_plan_only_artifacts_of_the_demo_spec_are_pinned(tmp_path):
     demo = Path(__file__).resolve().parents[2] / "jobs" / "demo.yaml"
     out = tmp_path / "run"
     assert_full_pins(full_pins(_plan_only(demo, out, command="select"), FULL_ARTIFACTS + SELECTED), DEMO_FULL_PINNED)

@@ -10,7 +10,7 @@ import pandas as pd
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "mixed_120.jsonl"
 
 
-def test_plan_only_run_with_a_token_budget_and_packing(ray_cpu, tmp_path, tiny_model_dir):
+def test_plan_only_run_with_a_token_budget_and_packing(tmp_path, tiny_model_dir):
     from ray_cluster_ft.config import parse_config
     from ray_cluster_ft.pipeline import run_pipeline
 

@@ -18,7 +18,7 @@ from tests._pins import FIXTURE
 pytestmark = pytest.mark.slow
 
 
-def test_cluster_paper_preset_plans_cluster_per_rank_with_share_weights(ray_cpu, tmp_path, tiny_model_dir):
+def test_cluster_paper_preset_plans_cluster_per_rank_with_share_weights(tmp_path, tiny_model_dir):
     from ray_cluster_ft.cli import main
 
     spec = tmp_path / "paper.yaml"

@@ -29,7 +29,7 @@ ADDED = ["example_id", "cluster", "weight", "rank", "step", "source_file", "sour
 
 
 @pytest.fixture(scope="module")
-def selected(ray_cpu, tmp_path_factory, tiny_model_dir):
+def selected(tmp_path_factory, tiny_model_dir):
     from ray_cluster_ft.cli import main
 
     tmp = tmp_path_factory.mktemp("select")

@@ -24,7 +24,7 @@ def _plan_only(spec: dict, tmp_path, name: str):
     return out
 
 
-def test_a_streamed_run_of_the_files_spec_writes_the_in_memory_artifacts(ray_cpu, tmp_path):
+def test_a_streamed_run_of_the_files_spec_writes_the_in_memory_artifacts(tmp_path):
     from ray_cluster_ft.model import make_tiny_model
 
     spec = files_spec(make_tiny_model(tmp_path / "tiny"))

@@ -29,7 +29,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "mixed_120.jsonl"
 
 
 @pytest.fixture(scope="module")
-def sel(ray_cpu, tmp_path_factory, tiny_model_dir):
+def sel(tmp_path_factory, tiny_model_dir):
     """``select`` on 24 real rows: W = 2, B = 2, G = 1, one epoch, the default (packed) cluster plan."""
     from ray_cluster_ft.cli import main
 

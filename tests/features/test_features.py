@@ -532,7 +532,7 @@ def test_prepare_sketch_inputs_proxy_retokenises_and_embedding_text(tiny_dir, tm
 
 
 @pytest.mark.slow
-def test_pipeline_rerun_in_the_same_run_dir_reuses_the_sketch_shards(ray_cpu, tmp_path, tiny_model_dir):
+def test_pipeline_rerun_in_the_same_run_dir_reuses_the_sketch_shards(tmp_path, tiny_model_dir):
     from ray_cluster_ft.config import parse_config
     from ray_cluster_ft.pipeline import run_pipeline
 
