@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from ray_cluster_ft.integrations.torch import (
-    ExamplesDataset, PlanBatchSampler, TokenCollator, is_packed_plan, micro_batch_loss, plan_loss_weights)
+    ExamplesDataset, PlanBatchSampler, TokenCollator, is_packed_plan, loss_positions, micro_batch_loss,
+    plan_loss_weights)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _run import read_run  # noqa: E402
@@ -45,8 +46,10 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 log = []
 for i, (batch, mw) in enumerate(zip(loader, plan_loss_weights(plan, examples, rank, weights, world, packed))):
     inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = model(**inputs, use_cache=False).logits
-    loss = micro_batch_loss(logits, batch["labels"].to(device), mw, world_size=world)  # DDP averages: W S_mb / D
+    labels = batch["labels"].to(device)
+    keep = loss_positions(labels)  # the LM head only where a label follows: no prompt tokens, no padding
+    logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
+    loss = micro_batch_loss(logits, labels, mw, world_size=world, positions=keep)  # DDP averages: W S_mb / D
     loss.backward()
     log.append({"step": mw.step, "micro_index": mw.micro_index, "example_id": list(mw.example_ids),
                 "loss": float(loss.detach()) / world})  # this rank's share of the step's token-exact loss

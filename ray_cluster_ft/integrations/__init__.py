@@ -3,7 +3,8 @@ selection weights and the token-exact loss (docs/design.md, "Train"; README, "Us
 
 - :mod:`.torch`: :class:`~.torch.PlanBatchSampler` for ``DataLoader(batch_sampler=...)``,
   :func:`~.torch.plan_loss_weights` (per micro-batch: weights and the step's token denominator) and
-  :func:`~.torch.micro_batch_loss`; :class:`~.torch.ExamplesDataset` and :class:`~.torch.TokenCollator` for
+  :func:`~.torch.micro_batch_loss` (with :func:`~.torch.loss_positions`, logits only where a label follows);
+  :class:`~.torch.ExamplesDataset` and :class:`~.torch.TokenCollator` for
   ``examples.parquet`` rows.
 - :mod:`.hf`: :class:`~.hf.PlanTrainer`, a ``transformers.Trainer`` whose train loader Accelerate does not
   re-shard.
@@ -27,6 +28,7 @@ _WHERE = {
     "PlanShape": "torch",
     "TokenCollator": "torch",
     "is_packed_plan": "torch",
+    "loss_positions": "torch",
     "replan": "torch",
     "micro_batch_loss": "torch",
     "plan_loss_weights": "torch",

@@ -37,12 +37,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from transformers import Trainer, TrainingArguments
 
+from ..model import forward_keeps_logits
 from ._launch import world_size_message
 from .torch import (
     ExamplesDataset,
     PlanBatchSampler,
     TokenCollator,
     is_packed_plan,
+    loss_positions,
     micro_batch_loss,
     plan_loss_weights,
     plan_shape,
@@ -255,6 +257,7 @@ class PlanTrainer(Trainer):
     def _after_init(self) -> None:
         forward = self.accelerator.unwrap_model(self.model).forward
         self._pass_use_cache = "use_cache" in inspect.signature(forward).parameters
+        self._keep_logits = forward_keeps_logits(self.accelerator.unwrap_model(self.model))
 
     # ------------------------------------------------------------------------------------------ the data
 
@@ -308,7 +311,10 @@ class PlanTrainer(Trainer):
 
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """``W * token_exact_loss / D`` for a planned micro-batch (any other batch, e.g. evaluation, goes to
-        ``Trainer.compute_loss``). Records the trained rows."""
+        ``Trainer.compute_loss``). Records the trained rows. Where the model's ``forward`` takes
+        ``logits_to_keep`` (transformers' causal LMs), the LM head runs only at the positions whose next token is a
+        label (:func:`~ray_cluster_ft.integrations.torch.loss_positions`), as in the project's own trainer: the
+        same loss without the prompt's and the padding's logits. With ``return_outputs`` all logits are kept."""
         if POSITION_KEY not in inputs:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
@@ -320,10 +326,13 @@ class PlanTrainer(Trainer):
         mw = self.plan_weights[j]
         if self._pass_use_cache:
             inputs["use_cache"] = False
+        keep = None
+        if self._keep_logits and not return_outputs:
+            keep = inputs["logits_to_keep"] = loss_positions(labels)
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         try:  # checks the labels hold the planned label tokens (D counts them); spreads weights over a pack
-            loss = micro_batch_loss(logits, labels, mw, self.args.world_size)
+            loss = micro_batch_loss(logits, labels, mw, self.args.world_size, positions=keep)
         except ValueError as err:
             raise RuntimeError(f"rank {self.plan_sampler.rank}: {err} (the collator must keep the dataset's "
                                f"labels: the step's token denominator counts them)") from None

@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from ..allocate import check_plan
-from ..data.collate import collate, pack
+from ..data.collate import IGNORE_INDEX, collate, pack
 from ..train import build_rank_tables
 from ..train.rank_data import MICRO_BATCH_KEY, label_token_counts
 from ..train.step import token_exact_loss
@@ -57,6 +57,7 @@ __all__ = [
     "PlanShape",
     "TokenCollator",
     "is_packed_plan",
+    "loss_positions",
     "micro_batch_loss",
     "plan_loss_weights",
     "plan_shape",
@@ -370,16 +371,19 @@ def plan_loss_weights(plan: pd.DataFrame, examples: pa.Table | pd.DataFrame, ran
 
 
 def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, mw: MicroBatchWeights, world_size: int,
-                     grad_accum: int = 1) -> torch.Tensor:
+                     grad_accum: int = 1, positions: torch.Tensor | None = None) -> torch.Tensor:
     """``token_exact_loss(logits, labels, w) * mw.loss_scale(world_size, grad_accum)``: the loss to
     backpropagate for one planned micro-batch (see the module docstring for ``world_size`` and ``grad_accum``).
 
     Args:
-        logits: ``(B, T, V)`` causal-LM logits of the micro-batch.
+        logits: ``(B, T, V)`` causal-LM logits of the micro-batch, or ``(B, K, V)`` at ``positions`` only.
         labels: int64 ``(B, T)``, ``-100`` where no loss is taken (padding included); or, for a pack
             (``TokenCollator(packed=True)``), ``(1, N)`` with ``N = sum(mw.lengths)``: the per-example weights
             then go onto each example's tokens.
         mw: the micro-batch's :class:`MicroBatchWeights`.
+        positions: int64 ``(K,)`` on the logits' device: the positions ``logits`` holds, every ``t`` whose next
+            token is a label in some row (:func:`loss_positions`; give the model ``logits_to_keep=positions`` so
+            its LM head skips prompt tokens and padding). ``None``: ``logits`` holds all ``T``.
 
     Returns:
         A float32 scalar tensor on ``logits.device``.
@@ -409,7 +413,23 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, mw: MicroBatchW
     w = torch.as_tensor(mw.weight, dtype=torch.float32, device=logits.device)
     if is_pack:
         w = torch.repeat_interleave(w, torch.as_tensor(mw.lengths, device=logits.device))[None, :]
-    return token_exact_loss(logits, labels, w) * mw.loss_scale(world_size, grad_accum)
+    return token_exact_loss(logits, labels, w, positions) * mw.loss_scale(world_size, grad_accum)
+
+
+def loss_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions whose logits the token-exact loss reads: every ``t`` such that ``labels[b, t + 1]`` is a label
+    (not ``-100``) for some row ``b``, on ``labels``' device. Passed to a transformers causal LM
+    as ``logits_to_keep`` (a 1-D tensor keeps those positions of every row), its LM head skips prompt tokens and
+    padding: the same loss from fewer logits (:func:`micro_batch_loss` with ``positions``). The torch form of
+    :func:`ray_cluster_ft.data.collate.logits_positions`, which the project's own trainer uses.
+
+    Args:
+        labels: int ``(B, T)``, ``-100`` where no loss is taken.
+
+    Returns:
+        int64 ``(K,)``, ascending, each in ``[0, T - 1)``.
+    """
+    return torch.nonzero((labels[:, 1:] != IGNORE_INDEX).any(dim=0)).flatten()
 
 
 class ExamplesDataset(Dataset):

@@ -1,4 +1,5 @@
-"""Run an example script with every causal LM's forward recorded (``input_ids``, ``position_ids``, ``logits``), for
+"""Run an example script with every causal LM's forward recorded (``input_ids``, ``position_ids``, ``logits_to_keep``
+when a tensor, ``logits``), for
 the example tests: ``python _capture.py OUT_DIR SCRIPT ARGS...`` (under torchrun, one file per rank). The script
 runs unchanged (``runpy``); only ``AutoModelForCausalLM.from_pretrained`` is wrapped to add a forward hook, and
 ``Trainer.train`` to keep the trainer of a script that never names it."""
@@ -17,7 +18,8 @@ _load = transformers.AutoModelForCausalLM.from_pretrained
 
 def _hook(module, args, kwargs, output):
     if module.training:
-        calls.append({k: kwargs[k].detach().cpu() for k in ("input_ids", "position_ids") if kwargs.get(k) is not None}
+        keys = ("input_ids", "position_ids", "logits_to_keep")
+        calls.append({k: kwargs[k].detach().cpu() for k in keys if isinstance(kwargs.get(k), torch.Tensor)}
                      | {"logits": output.logits.detach().float().cpu()})
 
 

@@ -73,8 +73,14 @@ def _micro_batches(plan: pd.DataFrame, rank: int) -> list[list[str]]:
 
 def _row_terms(call: dict, ids: list[str], tokens: dict) -> list[tuple[str, float, int]]:
     """Per planned row of one captured forward: (id, summed next-token CE over its labels, label count), after
-    checking that the forward held exactly that row's tokens (padded rows, or one pack in plan order)."""
+    checking that the forward held exactly that row's tokens (padded rows, or one pack in plan order). Logits
+    kept at some positions only (``logits_to_keep``) go back to their positions, NaN elsewhere: a label whose
+    logits were not computed makes its row's CE NaN."""
     x, logits = call["input_ids"], call["logits"]
+    if "logits_to_keep" in call:
+        full = torch.full((*x.shape, logits.shape[-1]), float("nan"))
+        full[:, call["logits_to_keep"]] = logits
+        logits = full
     out = []
     packed = x.shape[0] == 1 and len(ids) > 1
     offset = 0
@@ -85,8 +91,9 @@ def _row_terms(call: dict, ids: list[str], tokens: dict) -> list[tuple[str, floa
         got_x, lg = (x[0, offset:offset + n], logits[0, offset:offset + n]) if packed else (x[k, :n], logits[k, :n])
         assert torch.equal(got_x, want_x), f"row {eid}: the model was fed other tokens"
         offset += n
-        ce = F.cross_entropy(lg[:-1], y[1:], ignore_index=-100, reduction="sum")
-        out.append((eid, float(ce), int((y[1:] != -100).sum())))
+        lab = y[1:] != -100
+        ce = F.cross_entropy(lg[:-1][lab], y[1:][lab], reduction="sum")
+        out.append((eid, float(ce), int(lab.sum())))
     if packed:
         assert offset == x.shape[1]  # nothing else in the pack
     return out
@@ -94,9 +101,11 @@ def _row_terms(call: dict, ids: list[str], tokens: dict) -> list[tuple[str, floa
 
 def _check_trained_the_plan(caps: list[dict], plan: pd.DataFrame, tokens: dict, weights: pd.Series,
                             losses: dict[int, float]) -> None:
-    """Each rank's forwards are its planned micro-batches in order; each step's loss is the weighted token mean."""
+    """Each rank's forwards are its planned micro-batches in order, each computing logits only where a label
+    follows (``logits_to_keep``); each step's loss is the weighted token mean."""
     num, den = {}, {}
     for r, cap in enumerate(caps):
+        assert all("logits_to_keep" in call for call in cap["calls"]), f"rank {r}: a forward computed every logit"
         mbs = _micro_batches(plan, r)
         assert len(cap["calls"]) == len(mbs), f"rank {r}: {len(cap['calls'])} forwards for {len(mbs)} micro-batches"
         steps = plan[plan["rank"] == r].sort_values(["epoch", "step", "micro_index"], kind="stable") \

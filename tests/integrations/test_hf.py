@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from ray_cluster_ft.integrations.torch import ExamplesDataset
+from ray_cluster_ft.integrations.torch import ExamplesDataset, loss_positions
 from ray_cluster_ft.train import verify_trained
 from tests.conftest import free_port
 
@@ -48,8 +48,11 @@ def test_plan_trainer_one_process_takes_the_token_exact_sgd_step(tmp_path, tiny_
     plan, ex, w = made["plan"], made["examples"], made["weights"]
     probe = ParamsAfterFirstStep()
     lr = 0.5
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    head_rows = []  # positions per row the LM head computed, per micro-batch
+    model.lm_head.register_forward_hook(lambda mod, inp, out: head_rows.append(out.shape[1]))
     trainer = PlanTrainer(
-        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        model=model,
         args=_args(tmp_path / "out", optim="sgd", learning_rate=lr, lr_scheduler_type="constant", max_grad_norm=0.0,
                    weight_decay=0.0, gradient_accumulation_steps=7, num_train_epochs=3),
         train_dataset=ExamplesDataset(ex), plan=plan, weights=w, callbacks=[probe],
@@ -61,6 +64,11 @@ def test_plan_trainer_one_process_takes_the_token_exact_sgd_step(tmp_path, tiny_
     assert loader.batch_sampler is trainer.plan_sampler and len(loader) == 4
     trainer.train()
     assert trainer.state.global_step == 2
+    # The LM head ran only where a label follows (logits_to_keep), not over prompts and padding; the loss and the
+    # step below still equal the reference over all logits.
+    batches = list(loader)
+    assert head_rows == [len(loss_positions(b["labels"])) for b in batches]
+    assert sum(head_rows) < sum(b["labels"].shape[1] for b in batches)
 
     trained = pd.read_json(tmp_path / "out" / "trained_rank0.jsonl", lines=True, dtype={"example_id": str})
     assert trained.to_dict("records") == trainer.trained_rows

@@ -3,6 +3,7 @@ iterate their planned rows and take a DDP step equal to a single-process referen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from datetime import timedelta
@@ -18,8 +19,10 @@ from torch.utils.data import DataLoader
 
 from ray_cluster_ft.integrations.torch import (
     ExamplesDataset,
+    MicroBatchWeights,
     PlanBatchSampler,
     TokenCollator,
+    loss_positions,
     micro_batch_loss,
     plan_loss_weights,
     plan_shape,
@@ -140,6 +143,31 @@ def test_micro_batch_loss_checks_the_labels(run):
     assert float(loss) == pytest.approx(2 * mws[0].label_tokens.sum() * np.log(TOY_VOCAB) / mws[0].denominator, rel=1e-5)
     with pytest.raises(ValueError, match="is this the planned micro-batch"):
         micro_batch_loss(logits, batch["labels"], mws[1], world_size=2)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_micro_batch_loss_at_the_loss_positions_equals_the_loss_over_all_logits(packed):
+    """Logits kept only where a label follows (what ``logits_to_keep=loss_positions(labels)`` returns) give the
+    loss of all logits, for a padded batch (the union of the rows' positions) and for a pack; prompt and padding
+    positions are skipped."""
+    torch.manual_seed(0)
+    rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
+            {"input_ids": [3, 4, 5], "labels": [-100, 4, -100]}]
+    batch = TokenCollator(0, packed=packed)(rows)
+    labels = batch["labels"]
+    mw = MicroBatchWeights(epoch=0, step=0, micro_index=0, example_ids=("a", "b"), weight=np.array([0.5, 2.0]),
+                           label_tokens=np.array([3, 1]), denominator=7.0, lengths=np.array([5, 3]))
+    logits = torch.randn(*labels.shape, TOY_VOCAB)
+    keep = loss_positions(labels)
+    # padded: row 0 labels follow t = 1, 2, 3, row 1 t = 0; packed (one row of 8): t = 1, 2, 3 and 5 + 0
+    assert keep.tolist() == ([0, 1, 2, 3] if not packed else [1, 2, 3, 5])
+    assert keep.dtype == torch.int64
+    full = micro_batch_loss(logits, labels, mw, world_size=2)
+    kept = micro_batch_loss(logits[:, keep], labels, mw, world_size=2, positions=keep)
+    torch.testing.assert_close(kept, full, rtol=1e-6, atol=0)
+    # the weights are spread per token (0.5 on a's three labels, 2.0 on b's one): not the same loss unweighted
+    even = dataclasses.replace(mw, weight=np.array([1.0, 1.0]))
+    assert float(micro_batch_loss(logits[:, keep], labels, even, 2, positions=keep)) != pytest.approx(float(full))
 
 
 def test_examples_dataset_and_collator_errors(run):
