@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a virtual environment in .venv and run the test suite (CPU only; 16.7 minutes of tests on 2 idle cores, fresh clone at b8ab340,
+# Set up a virtual environment in .venv and run the test suite (CPU only; 15.9 minutes of tests on 2 idle cores, fresh clone at 7570c6c,
 # plus the installs; -m "not slow": 1.5 minutes).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
