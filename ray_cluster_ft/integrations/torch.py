@@ -390,8 +390,17 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, mw: MicroBatchW
 
     Raises:
         ValueError: ``labels`` do not hold the micro-batch's planned label-token counts (the wrong micro-batch,
-            or a collator that changed the labels, so ``D`` would not count the tokens trained).
+            or a collator that changed the labels, so ``D`` would not count the tokens trained); ``positions``
+            miss a position whose next token is a label, or ``logits`` do not hold one row per position.
     """
+    if positions is not None:
+        if logits.shape[1] != positions.numel():
+            raise ValueError(f"logits hold {logits.shape[1]} positions per row, positions lists {positions.numel()}")
+        missing = ~torch.isin(loss_positions(labels), positions)
+        if bool(missing.any()):
+            raise ValueError(f"positions miss {int(missing.sum())} position(s) whose next token is a label (first "
+                             f"{int(loss_positions(labels)[missing][0])}): their loss would be left out; pass "
+                             f"loss_positions(labels)")
     n_rows = len(mw.weight)
     # One sequence for several rows is a pack (a pack of one row is the same tensor as a padded batch of one).
     is_pack = labels.shape[0] == 1 and n_rows > 1

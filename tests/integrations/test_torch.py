@@ -168,6 +168,11 @@ def test_micro_batch_loss_at_the_loss_positions_equals_the_loss_over_all_logits(
     # the weights are spread per token (0.5 on a's three labels, 2.0 on b's one): not the same loss unweighted
     even = dataclasses.replace(mw, weight=np.array([1.0, 1.0]))
     assert float(micro_batch_loss(logits[:, keep], labels, even, 2, positions=keep)) != pytest.approx(float(full))
+    # positions that leave a label out would drop its loss silently: refused, as are logits of other positions
+    with pytest.raises(ValueError, match=rf"positions miss 1 position\(s\) whose next token is a label \(first {int(keep[-1])}\)"):
+        micro_batch_loss(logits[:, keep[:-1]], labels, mw, 2, positions=keep[:-1])
+    with pytest.raises(ValueError, match="logits hold 4 positions per row, positions lists 3"):
+        micro_batch_loss(logits[:, keep], labels, mw, 2, positions=keep[:-1])
 
 
 def test_examples_dataset_and_collator_errors(run):
