@@ -585,6 +585,12 @@ def _class_keeps_logits(cls: type) -> bool:
 def forward_keeps_logits(model) -> bool:
     """Whether ``model`` (a transformers causal LM, or a PEFT model around one, which passes the keyword on to its
     base model) takes ``logits_to_keep`` in ``forward``: transformers' causal LMs do since 4.50 (a 1-D tensor keeps
-    those positions of every row). Callers without it compute all logits."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return _class_keeps_logits(type(base))
+    those positions of every row). Callers without it compute all logits. A PEFT prompt-learning model (prompt
+    tuning, p-tuning, prefix tuning) does not count: it puts virtual tokens before the input, so the positions of
+    the input would point at other logits."""
+    if hasattr(model, "get_base_model"):
+        config = getattr(model, "active_peft_config", None)
+        if config is None or getattr(config, "is_prompt_learning", True):
+            return False
+        model = model.get_base_model()
+    return _class_keeps_logits(type(model))

@@ -334,8 +334,9 @@ class PlanTrainer(Trainer):
         try:  # checks the labels hold the planned label tokens (D counts them); spreads weights over a pack
             loss = micro_batch_loss(logits, labels, mw, self.args.world_size, positions=keep)
         except ValueError as err:
-            raise RuntimeError(f"rank {self.plan_sampler.rank}: {err} (the collator must keep the dataset's "
-                               f"labels: the step's token denominator counts them)") from None
+            hint = (" (the collator must keep the dataset's labels: the step's token denominator counts them)"
+                    if "label tokens per row" in str(err) else "")
+            raise RuntimeError(f"rank {self.plan_sampler.rank}: {err}{hint}") from None
         self._record(mw, positions)
         return (loss, outputs) if return_outputs else loss
 

@@ -391,11 +391,14 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, mw: MicroBatchW
     Raises:
         ValueError: ``labels`` do not hold the micro-batch's planned label-token counts (the wrong micro-batch,
             or a collator that changed the labels, so ``D`` would not count the tokens trained); ``positions``
-            miss a position whose next token is a label, or ``logits`` do not hold one row per position.
+            miss a position whose next token is a label or are not strictly ascending, or ``logits`` do not hold
+            one row per position.
     """
     if positions is not None:
         if logits.shape[1] != positions.numel():
             raise ValueError(f"logits hold {logits.shape[1]} positions per row, positions lists {positions.numel()}")
+        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            raise ValueError("positions must be strictly ascending (a repeated position would count its loss twice)")
         missing = ~torch.isin(loss_positions(labels), positions)
         if bool(missing.any()):
             raise ValueError(f"positions miss {int(missing.sum())} position(s) whose next token is a label (first "

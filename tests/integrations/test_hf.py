@@ -179,3 +179,29 @@ def test_readme_hf_example_under_accelerate_launch_trains_each_ranks_plan(tmp_pa
                                   made["weights"], step=0)
     assert len(losses) == 8
     assert losses[0] == pytest.approx(float(ref), abs=2e-4)
+
+
+def test_logits_are_kept_at_label_positions_only_where_positions_mean_the_input(tiny_model_dir):
+    """A causal LM and a LoRA model around one keep logits at the loss positions; a PEFT prompt-tuning model does
+    not (its virtual tokens come first, so the input's positions would read other logits), nor a module whose
+    forward lacks ``logits_to_keep``: those compute all logits."""
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ray_cluster_ft.model import forward_keeps_logits
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+    assert forward_keeps_logits(load())
+    assert forward_keeps_logits(get_peft_model(load(), LoraConfig(r=2, target_modules=["q_proj"])))
+    prompt = get_peft_model(load(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    assert not forward_keeps_logits(prompt)
+    x = torch.tensor([[5, 6, 7, 8]])
+    assert prompt(input_ids=x).logits.shape[1] == 3 + 4  # the virtual tokens' logits come first
+
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    assert not forward_keeps_logits(Plain())

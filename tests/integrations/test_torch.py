@@ -173,6 +173,9 @@ def test_micro_batch_loss_at_the_loss_positions_equals_the_loss_over_all_logits(
         micro_batch_loss(logits[:, keep[:-1]], labels, mw, 2, positions=keep[:-1])
     with pytest.raises(ValueError, match="logits hold 4 positions per row, positions lists 3"):
         micro_batch_loss(logits[:, keep], labels, mw, 2, positions=keep[:-1])
+    twice = torch.cat([keep, keep[-1:]])
+    with pytest.raises(ValueError, match="strictly ascending"):
+        micro_batch_loss(logits[:, twice], labels, mw, 2, positions=twice)
 
 
 def test_examples_dataset_and_collator_errors(run):
