@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a virtual environment in .venv and run the test suite (CPU only; 15.9 minutes of tests on 2 idle cores, fresh clone at 7570c6c,
-# plus the installs; -m "not slow": 1.5 minutes).
+# Set up a virtual environment in .venv and run the test suite (CPU only; 17.4 minutes of tests on 2 idle cores, fresh clone at 6e21531,
+# plus the installs; -m "not slow": 1.7 minutes).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
