@@ -585,12 +585,13 @@ def _class_keeps_logits(cls: type) -> bool:
 def forward_keeps_logits(model) -> bool:
     """Whether ``model`` (a transformers causal LM, or a PEFT model around one, which passes the keyword on to its
     base model) takes ``logits_to_keep`` in ``forward``: transformers' causal LMs do since 4.50 (a 1-D tensor keeps
-    those positions of every row). Callers without it compute all logits. A PEFT prompt-learning model (prompt
-    tuning, p-tuning, prefix tuning) does not count: it puts virtual tokens before the input, so the positions of
-    the input would point at other logits."""
+    those positions of every row). Callers without it compute all logits. PEFT prompt tuning and p-tuning do not
+    count: they put virtual tokens' embeddings before the input, so the input's positions would read other logits
+    (and the logits are longer than the input, which this project's losses refuse). Prefix tuning counts: its
+    virtual tokens are key/value prefixes, the logits cover the input only."""
     if hasattr(model, "get_base_model"):
         config = getattr(model, "active_peft_config", None)
-        if config is None or getattr(config, "is_prompt_learning", True):
+        if config is None or (getattr(config, "is_prompt_learning", True) and config.peft_type != "PREFIX_TUNING"):
             return False
         model = model.get_base_model()
     return _class_keeps_logits(type(model))

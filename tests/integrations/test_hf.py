@@ -182,10 +182,10 @@ def test_readme_hf_example_under_accelerate_launch_trains_each_ranks_plan(tmp_pa
 
 
 def test_logits_are_kept_at_label_positions_only_where_positions_mean_the_input(tiny_model_dir):
-    """A causal LM and a LoRA model around one keep logits at the loss positions; a PEFT prompt-tuning model does
-    not (its virtual tokens come first, so the input's positions would read other logits), nor a module whose
-    forward lacks ``logits_to_keep``: those compute all logits."""
-    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+    """A causal LM, a LoRA model and a prefix-tuning model around one keep logits at the loss positions; PEFT prompt
+    tuning and p-tuning do not (their virtual tokens come first, so the input's positions would read other logits),
+    nor a module whose forward lacks ``logits_to_keep``: those compute all logits."""
+    from peft import LoraConfig, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from ray_cluster_ft.model import forward_keeps_logits
@@ -199,6 +199,13 @@ def test_logits_are_kept_at_label_positions_only_where_positions_mean_the_input(
     assert not forward_keeps_logits(prompt)
     x = torch.tensor([[5, 6, 7, 8]])
     assert prompt(input_ids=x).logits.shape[1] == 3 + 4  # the virtual tokens' logits come first
+    p_tuning = PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=8)
+    assert not forward_keeps_logits(get_peft_model(load(), p_tuning))
+    # prefix tuning's virtual tokens are key/value prefixes: the logits are the input's, and keeping some is exact
+    prefix = get_peft_model(load(), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    assert forward_keeps_logits(prefix)
+    keep = torch.tensor([1, 3])
+    torch.testing.assert_close(prefix(input_ids=x, logits_to_keep=keep).logits, prefix(input_ids=x).logits[:, keep])
 
     class Plain(torch.nn.Module):
         def forward(self, input_ids, attention_mask=None):
