@@ -587,7 +587,7 @@ def forward_keeps_logits(model) -> bool:
     base model) takes ``logits_to_keep`` in ``forward``: transformers' causal LMs do since 4.50 (a 1-D tensor keeps
     those positions of every row). Callers without it compute all logits. PEFT prompt tuning and p-tuning do not
     count: they put virtual tokens' embeddings before the input, so the input's positions would read other logits
-    (and the logits are longer than the input, which this project's losses refuse). Prefix tuning counts: its
+    (and the logits are longer than the input: the token-exact loss fails on their shape). Prefix tuning counts: its
     virtual tokens are key/value prefixes, the logits cover the input only."""
     if hasattr(model, "get_base_model"):
         config = getattr(model, "active_peft_config", None)
