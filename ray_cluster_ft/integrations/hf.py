@@ -255,9 +255,9 @@ class PlanTrainer(Trainer):
         self._next_micro = None
 
     def _after_init(self) -> None:
-        forward = self.accelerator.unwrap_model(self.model).forward
-        self._pass_use_cache = "use_cache" in inspect.signature(forward).parameters
-        self._keep_logits = forward_keeps_logits(self.accelerator.unwrap_model(self.model))
+        model = self.accelerator.unwrap_model(self.model)
+        self._pass_use_cache = "use_cache" in inspect.signature(model.forward).parameters
+        self._keep_logits = forward_keeps_logits(model)
 
     # ------------------------------------------------------------------------------------------ the data
 
@@ -334,9 +334,7 @@ class PlanTrainer(Trainer):
         try:  # checks the labels hold the planned label tokens (D counts them); spreads weights over a pack
             loss = micro_batch_loss(logits, labels, mw, self.args.world_size, positions=keep)
         except ValueError as err:
-            hint = (" (the collator must keep the dataset's labels: the step's token denominator counts them)"
-                    if "label tokens per row" in str(err) else "")
-            raise RuntimeError(f"rank {self.plan_sampler.rank}: {err}{hint}") from None
+            raise RuntimeError(f"rank {self.plan_sampler.rank}: {err}") from None
         self._record(mw, positions)
         return (loss, outputs) if return_outputs else loss
 

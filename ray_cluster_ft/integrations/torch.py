@@ -399,11 +399,11 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, mw: MicroBatchW
             raise ValueError(f"logits hold {logits.shape[1]} positions per row, positions lists {positions.numel()}")
         if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
             raise ValueError("positions must be strictly ascending (a repeated position would count its loss twice)")
-        missing = ~torch.isin(loss_positions(labels), positions)
+        need = loss_positions(labels)
+        missing = ~torch.isin(need, positions)
         if bool(missing.any()):
             raise ValueError(f"positions miss {int(missing.sum())} position(s) whose next token is a label (first "
-                             f"{int(loss_positions(labels)[missing][0])}): their loss would be left out; pass "
-                             f"loss_positions(labels)")
+                             f"{int(need[missing][0])}): their loss would be left out; pass loss_positions(labels)")
     n_rows = len(mw.weight)
     # One sequence for several rows is a pack (a pack of one row is the same tensor as a padded batch of one).
     is_pack = labels.shape[0] == 1 and n_rows > 1
@@ -420,7 +420,8 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, mw: MicroBatchW
         raise ValueError(
             f"micro-batch (epoch {mw.epoch}, step {mw.step}, micro_index {mw.micro_index}): the labels hold "
             f"{got.tolist()} label tokens per row, the plan's examples {mw.label_tokens.tolist()}; is this the "
-            f"planned micro-batch, and does the collator keep the examples' labels?"
+            f"planned micro-batch, and does the collator keep the examples' labels? (the step's token denominator "
+            f"counts them)"
         )
     w = torch.as_tensor(mw.weight, dtype=torch.float32, device=logits.device)
     if is_pack:
