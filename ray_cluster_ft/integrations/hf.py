@@ -272,6 +272,11 @@ class PlanTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description="training")
         except AttributeError:
             pass
+        kept = getattr(collator, "signature_columns", None)
+        if kept is not None and "labels" not in kept:
+            # compute_loss reads the labels itself, whatever the forward takes: a forward without ``labels`` would
+            # otherwise lose them here, and the collator would make labels of every input token
+            collator.signature_columns = [*kept, "labels"]
         args = self.args
         workers = args.dataloader_num_workers
         loader = DataLoader(

@@ -86,6 +86,40 @@ def test_plan_trainer_one_process_takes_the_token_exact_sgd_step(tmp_path, tiny_
         torch.testing.assert_close(probe.params[k], p.detach() - lr * p.grad, rtol=1e-4, atol=1e-6)
 
 
+class _NoLabelsForward(torch.nn.Module):
+    """A causal LM behind a ``forward`` without ``labels`` (a custom head, a wrapper): Trainer drops the dataset
+    columns such a forward does not take."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+
+def test_a_forward_without_labels_still_trains_the_planned_labels(tmp_path, tiny_model_dir):
+    """PlanTrainer reads the labels itself: they must reach it whatever the model's forward takes, and the first
+    step's loss is the reference's over the planned label tokens (not over labels the collator made of every
+    input token)."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_cluster_ft.integrations.hf import PlanTrainer
+
+    made = make_run(tmp_path / "run", n=8, world=1, mbs=2, ga=2, epochs=1)
+    plan, ex, w = made["plan"], made["examples"], made["weights"]
+    trainer = PlanTrainer(model=_NoLabelsForward(AutoModelForCausalLM.from_pretrained(tiny_model_dir)),
+                          args=_args(tmp_path / "out", learning_rate=0.0), train_dataset=ExamplesDataset(ex),
+                          plan=plan, weights=w)
+    assert trainer.args.remove_unused_columns and "labels" not in trainer.label_names
+    trainer.train()
+    assert verify_trained(plan, pd.DataFrame(trainer.trained_rows))["matches_plan"]
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ref = reference_step_loss(lambda x: ref_model(input_ids=x, use_cache=False).logits, plan, ex, w, step=0)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[0] == pytest.approx(float(ref.detach()), abs=2e-4)
+
+
 def test_plan_trainer_errors(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
