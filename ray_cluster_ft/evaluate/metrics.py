@@ -46,6 +46,10 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
     Returns:
         ``{domain: {"loss": float nats/token, "perplexity": float, "tokens": int, "examples": int}, ...,
         "all": {...}}``; empty dict for an empty table.
+
+    Raises:
+        ValueError: the model's logits are not one per input position (or per kept position), as with PEFT prompt
+            tuning and p-tuning; an example of ``prompt_end_scores`` with no response token.
     """
     import torch
 
@@ -74,6 +78,12 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
             at = torch.from_numpy(pos).to(device)
             extra = {"logits_to_keep": at} if keep else {}
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **extra).logits
+            want_width = len(pos) if keep else b["input_ids"].shape[1]
+            if logits.shape[1] != want_width:  # a position would read another position's logits
+                raise ValueError(
+                    f"the model returned logits for {logits.shape[1]} positions where {want_width} were asked; "
+                    f"heldout_loss needs the logits of the input's own positions (PEFT prompt tuning and p-tuning "
+                    f"put virtual tokens before the input: score the merged or base model instead)")
             logits = (logits if keep else logits.index_select(1, at)).float()
             tgt = b["labels"].index_select(1, at + 1)
             lp = torch.nn.functional.cross_entropy(

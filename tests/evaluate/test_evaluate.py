@@ -94,6 +94,20 @@ def test_heldout_loss_reads_logits_only_where_a_label_follows(tiny):
         np.testing.assert_allclose(keep_scores[e], all_scores[e], rtol=1e-6)
 
 
+def test_heldout_loss_refuses_logits_that_are_not_the_inputs(tiny_model_dir):
+    """PEFT prompt tuning puts its virtual tokens' logits before the input's: reading the input's positions there
+    would score other positions, so the loss is refused instead of being wrong."""
+    from peft import PromptTuningConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    rows = [([5, 6, 7, 8, 9], [-100, -100, 7, 8, 9], "code")]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    with pytest.raises(ValueError, match="logits for 8 positions where 5 were asked"):
+        heldout_loss(model, _table(rows))
+    assert heldout_loss(model.get_base_model(), _table(rows))["all"]["tokens"] == 3
+
+
 def test_heldout_loss_empty_table(tiny):
     empty = pa.table({"input_ids": pa.array([], pa.list_(pa.int32())), "labels": pa.array([], pa.list_(pa.int32())),
                       "domain": pa.array([], pa.string())})
