@@ -1,10 +1,9 @@
-"""The plan in a user's own Ray Train TorchTrainer: each worker's shard is exactly its planned rows, in order;
-and the README example trains."""
+"""The plan in a user's own Ray Train TorchTrainer: the README example trains, each worker's shard exactly its
+planned rows, in order."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -54,58 +53,49 @@ def test_plan_datasets_start_a_new_local_ray_or_join_the_address_given(tmp_path,
     assert calls == ["local", "auto"]  # refused before ray.init
 
 
-def _report_ids(config):
-    import ray.train
+# Inserted into the README example's loop: what each worker's batch held, written for the test to read.
+_RECORD = """
+def _record(batch, out={out!r}):
+    import json as _json
+    import ray.train as _rt
 
-    from ray_cluster_ft.integrations.ray_train import rank_shard
+    row = {{"ids": [str(x) for x in batch["example_id"]],
+           "key": [sorted(set(batch[c].tolist())) for c in ("epoch", "step", "micro_index")],
+           "d": sorted(set(batch["step_weighted_tokens"].tolist()))}}
+    with open(f"{{out}}/rank{{_rt.get_context().get_world_rank()}}.jsonl", "a") as fh:
+        fh.write(_json.dumps(row) + "\\n")
 
-    rank = ray.train.get_context().get_world_rank()
-    batches = []
-    for batch in rank_shard().iter_batches(batch_size=config["B"], batch_format="numpy"):
-        batches.append({"ids": [str(x) for x in batch["example_id"]],
-                        "key": [sorted(set(batch[c].tolist())) for c in ("epoch", "step", "micro_index")],
-                        "d": sorted(set(batch["step_weighted_tokens"].tolist()))})
-    Path(config["out"], f"rank{rank}.json").write_text(json.dumps(batches))
+"""
 
 
 @pytest.mark.slow
-def test_two_worker_torch_trainer_sees_exactly_its_planned_rows(ray_cpu, tmp_path):
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
+def test_readme_ray_train_example_trains_each_workers_planned_rows(ray_cpu, tmp_path, tiny_model_dir, monkeypatch):
+    """The README's Ray Train block, run as written (its paths line pointed at the run and the tiny model, a run
+    folder under tmp_path, and one line in its loop that records each batch): each worker's shard is exactly its
+    planned rows in order, and every batch of B rows is one planned micro-batch with one step denominator."""
     made = make_run(tmp_path / "run")
     plan = made["plan"]
     out = tmp_path / "ids"
     out.mkdir()
-    trainer = TorchTrainer(
-        _report_ids,
-        train_loop_config={"B": 2, "out": str(out)},
-        scaling_config=ray.train.ScalingConfig(num_workers=2),
-        run_config=ray.train.RunConfig(name="ids", storage_path=str(tmp_path / "ray")),
-        datasets=plan_datasets(plan, made["examples"], 2, made["weights"]),
-        dataset_config=plan_data_config(),
-    )
-    trainer.fit()
+    monkeypatch.chdir(tmp_path)
+    code = readme_example("ray-train", tmp_path / "run", tiny_model_dir)
+    for old, new in [
+        ("scaling_config=ray.train.ScalingConfig(num_workers=shape.world_size),",
+         "scaling_config=ray.train.ScalingConfig(num_workers=shape.world_size),\n"
+         f"    run_config=ray.train.RunConfig(name='readme', storage_path={str(tmp_path / 'ray')!r}),"),
+        ("        mb = micro_batch_to_device(", "        _record(batch)\n        mb = micro_batch_to_device("),
+        ("\n\ndef train_loop(cfg):", "\n" + _RECORD.format(out=str(out)) + "\ndef train_loop(cfg):"),
+    ]:
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
+    ns: dict = {"__name__": "readme_ray_train"}
+    exec(compile(code, "README:ray-train", "exec"), ns)
+    assert isinstance(ns["plan"], pd.DataFrame) and ns["shape"].steps == 8
     for r in (0, 1):
-        got = json.loads((out / f"rank{r}.json").read_text())
+        got = [json.loads(x) for x in (out / f"rank{r}.jsonl").read_text().splitlines()]
         want = planned_rows(plan, r)
         assert [i for b in got for i in b["ids"]] == want["example_id"].tolist()
-        # every batch of B rows is one planned micro-batch, with one step denominator
         keys = want[["epoch", "step", "micro_index"]].to_numpy()[::2].tolist()
         assert [[k[0] for k in b["key"]] for b in got] == keys
         assert all(len(b["key"][0]) == len(b["key"][1]) == len(b["key"][2]) == len(b["d"]) == 1 for b in got)
         assert len(got) == 16
-
-
-@pytest.mark.slow
-def test_readme_ray_train_example_trains(ray_cpu, tmp_path, tiny_model_dir, monkeypatch):
-    make_run(tmp_path / "run")
-    monkeypatch.chdir(tmp_path)
-    code = readme_example("ray-train", tmp_path / "run", tiny_model_dir)
-    code = code.replace("scaling_config=ray.train.ScalingConfig(num_workers=shape.world_size),",
-                        "scaling_config=ray.train.ScalingConfig(num_workers=shape.world_size),\n"
-                        f"    run_config=ray.train.RunConfig(name='readme', storage_path={str(tmp_path / 'ray')!r}),")
-    assert "run_config=" in code
-    ns: dict = {"__name__": "readme_ray_train"}
-    exec(compile(code, "README:ray-train", "exec"), ns)
-    assert isinstance(ns["plan"], pd.DataFrame) and ns["shape"].steps == 8
