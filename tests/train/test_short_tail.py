@@ -1,7 +1,8 @@
 """The published plan's short tail, trained: each rank's last micro-batch of an epoch holds fewer rows and the
 epoch's last step fewer than ``grad_accum`` micro-batches (``allocation.strategy: cluster_per_rank`` rounds
 nothing). DeepSpeed must step at the plan's boundaries (``set_gradient_accumulation_boundary``) and the loss
-stay token-exact: the trained weights equal a single process taking the same optimizer steps."""
+stay token-exact and weighted: the trained weights equal a single process taking the same optimizer steps (the
+check of the token-exact weighted step for every plan: one Ray Train run costs about 20 s of the suite)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,12 @@ def test_rank_tables_and_order_check_follow_a_short_last_step():
         bad.check((0, 1, 0), 1, 1)  # step 0 had only one of its two micro-batches
 
 
-def _reference_steps(model_dir: str, ex, steps: list[list[str]], lr: float, eps: float, total: int) -> dict:
-    """One process, one AdamW step per planned step over all its rows, each the token-exact loss
-    ``sum_i sum_t l_it / sum_i |T_i|`` of that step, with the run's linear lr schedule."""
+def _reference_steps(model_dir: str, ex, steps: list[list[str]], lr: float, eps: float, total: int,
+                     weights: dict | None = None, exact: bool = True) -> tuple[dict, list[float]]:
+    """One process, one AdamW step per planned step over all its rows, with the run's linear lr schedule. Each
+    step's loss is the token-exact weighted ``sum_i w_i sum_t l_it / sum_i w_i |T_i|`` (``exact``; ``w_i = 1``
+    without ``weights``), or the mean over rows of each row's token mean (a loss that depends on how rows share
+    micro-batches; a negative control). Returns the final state dict and the steps' losses."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -55,35 +59,48 @@ def _reference_steps(model_dir: str, ex, steps: list[list[str]], lr: float, eps:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.0)
+    losses = []
     for s, ids in enumerate(steps):
         opt.zero_grad()
-        num, den = 0.0, 0
+        num, den, means = 0.0, 0.0, []
         for e in ids:
             x, y = rows[e]
+            w = 1.0 if weights is None else weights[e]
             logits = model(input_ids=torch.tensor([x]), use_cache=False).logits[0, :-1].double()
             tgt = torch.tensor(y[1:])
-            num = num + torch.nn.functional.cross_entropy(logits, tgt, ignore_index=-100, reduction="sum")
-            den += int((tgt != -100).sum())
-        (num / den).backward()
+            ce = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=-100, reduction="sum")
+            n = int((tgt != -100).sum())
+            num, den = num + w * ce, den + w * n
+            means.append(ce / n)
+        loss = num / den if exact else torch.stack(means).mean()
+        loss.backward()
+        losses.append(float(loss.detach()))
         for group in opt.param_groups:
             group["lr"] = lr * lr_multiplier(s, 0, total)
         opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
 @pytest.mark.slow
-def test_a_plan_with_a_short_last_micro_batch_and_step_trains_exactly(ray_cpu, tiny_model_dir, tmp_path):
+def test_a_weighted_plan_with_a_short_last_micro_batch_and_step_trains_exactly(ray_cpu, tiny_model_dir, tmp_path):
+    """2 ranks, ZeRO-2, fp32, G = 2 with a short last micro-batch and step per epoch, rows weighted and of lengths
+    far apart: the trained weights equal one process taking the same 4 AdamW steps on the token-exact weighted
+    loss of each step's rows. AdamW's eps is set large so an update is about lr * g / eps, linear in the gradient:
+    a loss off by a scale or a weight would show (plain Adam's first step is nearly sign(g) * lr, blind to both).
+    Two controls differ: the short steps folded into the next ones (a counter of G micro-batches), and the mean
+    of the rows' token means (a loss that depends on how rows share micro-batches)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tiny_model = str(tiny_model_dir)
     ex = make_examples(10, seed=7, min_len=4, max_len=40)
     plan = _short_tail_plan(ex, epochs=2)
+    weights = dict(zip(ex.column("example_id").to_pylist(), np.linspace(0.4, 1.9, 10)))
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"optimizer": {"params": {"eps": 10.0}}}))  # update ~ lr g / eps: linear in g
     cfg = TrainConfig(num_workers=2, zero_stage=2, micro_batch_size=2, grad_accum=2, epochs=2, lr=1e-2,
                       max_grad_norm=1e9, timeout_s=120, deepspeed_config=str(user))
-    res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2)
+    res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2, weights=pd.Series(weights))
     assert res.steps == 4  # per epoch a step of 2 micro-batches and one of 1
     trained = pd.read_parquet(res.trained_path)
     assert (trained.groupby(["epoch", "example_id"]).size() == 1).all()
@@ -92,14 +109,21 @@ def test_a_plan_with_a_short_last_micro_batch_and_step_trains_exactly(ray_cpu, t
     assert [r["step"] for r in log] == [0, 1, 2, 3]
 
     steps = [part["example_id"].tolist() for _, part in plan.groupby("step")]
-    want = _reference_steps(tiny_model, ex, steps, lr=1e-2, eps=10.0, total=4)
-    # the control: the short steps folded into the next ones, as a counter of G micro-batches would do
+    kw = {"lr": 1e-2, "eps": 10.0, "total": 4}
+    want, want_losses = _reference_steps(tiny_model, ex, steps, weights=weights, **kw)
     merged = [steps[0], steps[1] + steps[2], steps[3]]
-    other = _reference_steps(tiny_model, ex, merged, lr=1e-2, eps=10.0, total=4)
+    controls = [_reference_steps(tiny_model, ex, merged, weights=weights, **kw)[0],
+                _reference_steps(tiny_model, ex, steps, weights=weights, exact=False, **kw)[0]]
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
     got = AutoModelForCausalLM.from_pretrained(res.final_model_dir, dtype=torch.float32).state_dict()
-    delta = torch.cat([(got[k] - base[k]).flatten() for k in base])
-    delta_want = torch.cat([(want[k] - base[k]).flatten() for k in base])
-    delta_other = torch.cat([(other[k] - base[k]).flatten() for k in base])
-    assert float((delta - delta_want).norm() / delta_want.norm()) < 1e-4
-    assert float((delta_other - delta_want).norm() / delta_want.norm()) > 1e-2
+
+    def delta(sd):
+        return torch.cat([(sd[k] - base[k]).flatten() for k in base])
+
+    assert float((delta(got) - delta(want)).norm() / delta(want).norm()) < 1e-4
+    for k in base:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+    for other in controls:
+        assert float((delta(other) - delta(want)).norm() / delta(want).norm()) > 1e-2
+    assert [r["loss"] for r in log] == pytest.approx(want_losses, rel=1e-5)
+    assert res.final_loss == pytest.approx(want_losses[-1], rel=1e-5)
