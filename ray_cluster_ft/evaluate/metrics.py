@@ -28,6 +28,19 @@ __all__ = [
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
+def _check_width(logits, positions: int) -> None:
+    """Refuse logits that are not one per position asked: a position would read another position's logits.
+
+    Raises:
+        ValueError: ``logits.shape[1] != positions`` (PEFT prompt tuning and p-tuning put virtual tokens first).
+    """
+    if logits.shape[1] != positions:
+        raise ValueError(
+            f"the model returned logits for {logits.shape[1]} positions where {positions} were asked; held-out "
+            f"scores need the logits of the input's own positions (PEFT prompt tuning and p-tuning put virtual "
+            f"tokens before the input, and are not supported here)")
+
+
 def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: int = 0,
                  prompt_end_scores: dict | None = None) -> dict:
     """Response-token loss per domain and overall.
@@ -78,12 +91,7 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
             at = torch.from_numpy(pos).to(device)
             extra = {"logits_to_keep": at} if keep else {}
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **extra).logits
-            want_width = len(pos) if keep else b["input_ids"].shape[1]
-            if logits.shape[1] != want_width:  # a position would read another position's logits
-                raise ValueError(
-                    f"the model returned logits for {logits.shape[1]} positions where {want_width} were asked; "
-                    f"heldout_loss needs the logits of the input's own positions (PEFT prompt tuning and p-tuning "
-                    f"put virtual tokens before the input: score the merged or base model instead)")
+            _check_width(logits, len(pos) if keep else b["input_ids"].shape[1])
             logits = (logits if keep else logits.index_select(1, at)).float()
             tgt = b["labels"].index_select(1, at + 1)
             lp = torch.nn.functional.cross_entropy(
@@ -144,7 +152,8 @@ def choice_logprobs(model, items: list[dict], batch_size: int = 8, pad_token_id:
         Per item, float64 (n_choices,) summed log-probabilities in nats (<= 0).
 
     Raises:
-        ValueError: an item with an empty prompt, fewer than 2 choices, or an empty choice.
+        ValueError: an item with an empty prompt, fewer than 2 choices, or an empty choice; logits that are not
+            one per input position (PEFT prompt tuning and p-tuning).
     """
     import torch
 
@@ -169,6 +178,7 @@ def choice_logprobs(model, items: list[dict], batch_size: int = 8, pad_token_id:
             seqs = [items[i]["prompt_ids"] for i in idx]
             ids, mask = _padded(seqs, pad_token_id)
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+            _check_width(logits, ids.shape[1])
             last = torch.as_tensor([len(s) - 1 for s in seqs], device=logits.device)
             lp = torch.log_softmax(logits[torch.arange(len(seqs), device=logits.device), last].double(), dim=-1)
             lp = lp.cpu().numpy()
@@ -181,6 +191,7 @@ def choice_logprobs(model, items: list[dict], batch_size: int = 8, pad_token_id:
             seqs = [list(items[i]["prompt_ids"]) + list(items[i]["choice_ids"][j]) for i, j in pairs]
             ids, mask = _padded(seqs, pad_token_id)
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+            _check_width(logits, ids.shape[1])
             lp = torch.log_softmax(logits[:, :-1], dim=-1)
             tgt = ids[:, 1:].to(lp.device)
             tok_lp = lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).double().cpu().numpy()

@@ -94,11 +94,14 @@ def test_heldout_loss_reads_logits_only_where_a_label_follows(tiny):
         np.testing.assert_allclose(keep_scores[e], all_scores[e], rtol=1e-6)
 
 
-def test_heldout_loss_refuses_logits_that_are_not_the_inputs(tiny_model_dir):
+def test_held_out_scores_refuse_logits_that_are_not_the_inputs(tiny_model_dir):
     """PEFT prompt tuning puts its virtual tokens' logits before the input's: reading the input's positions there
-    would score other positions, so the loss is refused instead of being wrong."""
+    would score other positions, so the loss and the choices' log-likelihoods are refused instead of being
+    wrong; the base model under it is scored."""
     from peft import PromptTuningConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
+    from ray_cluster_ft.evaluate.metrics import choice_logprobs
 
     rows = [([5, 6, 7, 8, 9], [-100, -100, 7, 8, 9], "code")]
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
@@ -106,6 +109,12 @@ def test_heldout_loss_refuses_logits_that_are_not_the_inputs(tiny_model_dir):
     with pytest.raises(ValueError, match="logits for 8 positions where 5 were asked"):
         heldout_loss(model, _table(rows))
     assert heldout_loss(model.get_base_model(), _table(rows))["all"]["tokens"] == 3
+    one_token = [{"prompt_ids": [5, 6, 7], "choice_ids": [[8], [9]]}]  # one pass over the prompt
+    longer = [{"prompt_ids": [5, 6, 7], "choice_ids": [[8, 10], [9]]}]  # one pass per prompt + choice
+    for items, width in ((one_token, 3), (longer, 5)):
+        with pytest.raises(ValueError, match=f"logits for {width + 3} positions where {width} were asked"):
+            choice_logprobs(model, items)
+        assert choice_logprobs(model.get_base_model(), items)[0].shape == (2,)
 
 
 def test_heldout_loss_empty_table(tiny):
