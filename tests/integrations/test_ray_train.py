@@ -81,8 +81,8 @@ def test_readme_ray_train_example_trains_each_workers_planned_rows(ray_cpu, tmp_
     code = readme_example("ray-train", tmp_path / "run", tiny_model_dir)
     for old, new in [
         ("scaling_config=ray.train.ScalingConfig(num_workers=shape.world_size),",
-         "scaling_config=ray.train.ScalingConfig(num_workers=shape.world_size),\n"
-         f"    run_config=ray.train.RunConfig(name='readme', storage_path={str(tmp_path / 'ray')!r}),"),
+         "scaling_config=ray.train.ScalingConfig(num_workers=shape.world_size),\n    run_config=ray.train.RunConfig("
+         + f"name='readme', storage_path={str(tmp_path / 'ray')!r}),"),
         ("        mb = micro_batch_to_device(", "        _record(batch)\n        mb = micro_batch_to_device("),
         ("\n\ndef train_loop(cfg):", "\n" + _RECORD.format(out=str(out)) + "\ndef train_loop(cfg):"),
     ]:

@@ -1,8 +1,9 @@
 """The published plan's short tail, trained: each rank's last micro-batch of an epoch holds fewer rows and the
 epoch's last step fewer than ``grad_accum`` micro-batches (``allocation.strategy: cluster_per_rank`` rounds
 nothing). DeepSpeed must step at the plan's boundaries (``set_gradient_accumulation_boundary``) and the loss
-stay token-exact and weighted: the trained weights equal a single process taking the same optimizer steps (the
-check of the token-exact weighted step for every plan: one Ray Train run costs about 20 s of the suite)."""
+stay token-exact and weighted: the trained weights equal a single process taking the same optimizer steps. The
+plans without a short tail (G micro-batches every step) get the same check on ``tests/train/test_train.py``'s
+injected-failure run."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ import pytest
 from ray_cluster_ft.allocate import make_plan
 from ray_cluster_ft.config import TrainConfig
 from ray_cluster_ft.train import build_rank_tables, train
-from ray_cluster_ft.train.deepspeed import lr_multiplier
 from ray_cluster_ft.train.loop import _PlanOrder
-from tests.train.test_train import make_examples
+from tests.train.test_train import make_examples, reference_steps
 
 
 def _short_tail_plan(ex, epochs: int):
@@ -43,42 +43,6 @@ def test_rank_tables_and_order_check_follow_a_short_last_step():
         bad = _PlanOrder(0)
         bad.check((0, 0, 0), 2, 0)
         bad.check((0, 1, 0), 1, 1)  # step 0 had only one of its two micro-batches
-
-
-def _reference_steps(model_dir: str, ex, steps: list[list[str]], lr: float, eps: float, total: int,
-                     weights: dict | None = None, exact: bool = True) -> tuple[dict, list[float]]:
-    """One process, one AdamW step per planned step over all its rows, with the run's linear lr schedule. Each
-    step's loss is the token-exact weighted ``sum_i w_i sum_t l_it / sum_i w_i |T_i|`` (``exact``; ``w_i = 1``
-    without ``weights``), or the mean over rows of each row's token mean (a loss that depends on how rows share
-    micro-batches; a negative control). Returns the final state dict and the steps' losses."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    rows = {e: (i, y) for e, i, y in zip(ex.column("example_id").to_pylist(), ex.column("input_ids").to_pylist(),
-                                         ex.column("labels").to_pylist())}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.0)
-    losses = []
-    for s, ids in enumerate(steps):
-        opt.zero_grad()
-        num, den, means = 0.0, 0.0, []
-        for e in ids:
-            x, y = rows[e]
-            w = 1.0 if weights is None else weights[e]
-            logits = model(input_ids=torch.tensor([x]), use_cache=False).logits[0, :-1].double()
-            tgt = torch.tensor(y[1:])
-            ce = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=-100, reduction="sum")
-            n = int((tgt != -100).sum())
-            num, den = num + w * ce, den + w * n
-            means.append(ce / n)
-        loss = num / den if exact else torch.stack(means).mean()
-        loss.backward()
-        losses.append(float(loss.detach()))
-        for group in opt.param_groups:
-            group["lr"] = lr * lr_multiplier(s, 0, total)
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
 @pytest.mark.slow
@@ -110,10 +74,10 @@ def test_a_weighted_plan_with_a_short_last_micro_batch_and_step_trains_exactly(r
 
     steps = [part["example_id"].tolist() for _, part in plan.groupby("step")]
     kw = {"lr": 1e-2, "eps": 10.0, "total": 4}
-    want, want_losses = _reference_steps(tiny_model, ex, steps, weights=weights, **kw)
+    want, want_losses = reference_steps(tiny_model, ex, steps, weights=weights, **kw)
     merged = [steps[0], steps[1] + steps[2], steps[3]]
-    controls = [_reference_steps(tiny_model, ex, merged, weights=weights, **kw)[0],
-                _reference_steps(tiny_model, ex, steps, weights=weights, exact=False, **kw)[0]]
+    controls = [reference_steps(tiny_model, ex, merged, weights=weights, **kw)[0],
+                reference_steps(tiny_model, ex, steps, weights=weights, exact=False, **kw)[0]]
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
     got = AutoModelForCausalLM.from_pretrained(res.final_model_dir, dtype=torch.float32).state_dict()
 

@@ -64,6 +64,42 @@ def make_plan(ids: list[str], world: int, mbs: int, ga: int, epochs: int, seed: 
     return plan.sort_values(["rank", "epoch", "step", "micro_index"], kind="stable").reset_index(drop=True)
 
 
+def reference_steps(model_dir: str, ex, steps: list[list[str]], lr: float, eps: float, total: int,
+                     weights: dict | None = None, exact: bool = True) -> tuple[dict, list[float]]:
+    """One process, one AdamW step per planned step over all its rows, with the run's linear lr schedule. Each
+    step's loss is the token-exact weighted ``sum_i w_i sum_t l_it / sum_i w_i |T_i|`` (``exact``; ``w_i = 1``
+    without ``weights``), or the mean over rows of each row's token mean (a loss that depends on how rows share
+    micro-batches; a negative control). Returns the final state dict and the steps' losses."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = {e: (i, y) for e, i, y in zip(ex.column("example_id").to_pylist(), ex.column("input_ids").to_pylist(),
+                                         ex.column("labels").to_pylist())}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.0)
+    losses = []
+    for s, ids in enumerate(steps):
+        opt.zero_grad()
+        num, den, means = 0.0, 0.0, []
+        for e in ids:
+            x, y = rows[e]
+            w = 1.0 if weights is None else weights[e]
+            logits = model(input_ids=torch.tensor([x]), use_cache=False).logits[0, :-1].double()
+            tgt = torch.tensor(y[1:])
+            ce = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=-100, reduction="sum")
+            n = int((tgt != -100).sum())
+            num, den = num + w * ce, den + w * n
+            means.append(ce / n)
+        loss = num / den if exact else torch.stack(means).mean()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        for group in opt.param_groups:
+            group["lr"] = lr * lr_multiplier(s, 0, total)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
 # ---------------------------------------------------------------------------------------------- no Ray
 
 
@@ -251,26 +287,37 @@ def _state_dict_keys_and_load(model_dir, final_dir):
 @pytest.mark.slow
 def test_train_zero2_follows_a_packed_recut_plan_through_an_injected_failure(ray_cpu, tiny_model, tmp_path,
                                                                             monkeypatch):
-    """3 epochs of a packed cluster plan (epochs 1 and 2 re-cut with seed + epoch; a pack holds any number of
-    rows); rank 0 raises once at the first step of epoch 2 (step 9 of 12); the group restarts from the step-6
-    checkpoint and still trains exactly the plan: steps 7 and 8, trained before the failure, are cut from the logs
-    by the rows the checkpoint recorded and trained again, nothing is skipped, no padding. Its checkpoints were
-    written in place and only the final one is left."""
+    """3 epochs of a packed cluster plan (epochs 1 and 2 re-cut with seed + epoch; a pack holds any number of rows),
+    2 packs per rank and step (G = 2), weighted rows; rank 0 raises once at the second step of epoch 2 (step 8 of
+    9); the group restarts from the step-6 checkpoint and still trains exactly the plan: step 7, trained before the
+    failure, is cut from the logs by the rows the checkpoint recorded and trained again, nothing is skipped, no
+    padding. The final weights equal one process taking the 9 AdamW steps on the token-exact weighted loss of each
+    step's rows, uninterrupted (AdamW's eps is set large so an update is about lr * g / eps, linear in the
+    gradient: a loss off by a scale or a weight would show; plain Adam's first step is nearly sign(g) * lr). Its
+    checkpoints were written in place and only the final one is left."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from ray_cluster_ft.allocate import make_plan as make_cluster_plan
 
     ex = make_examples(24)
     ids = np.asarray(ex.column("example_id").to_pylist())
     n_tokens = np.asarray(ex.column("n_tokens").to_numpy(), dtype=np.int64)
-    plan = make_cluster_plan(ids, np.arange(ids.size) % 4, n_tokens, 2, 2, 1, 3, strategy="cluster", seed=1,
-                             packing=True, max_tokens_per_micro_batch=48).plan
+    plan = make_cluster_plan(ids, np.arange(ids.size) % 4, n_tokens, 2, 2, 2, 3, strategy="cluster", seed=1,
+                             packing=True, max_tokens_per_micro_batch=32).plan
     steps = int(plan["step"].nunique())
-    fail_at = int(plan.loc[plan["epoch"] == 2, "step"].min()) + 1  # 1-based
-    assert (steps, fail_at) == (12, 9)
-    cfg = TrainConfig(num_workers=2, zero_stage=2, micro_batch_size=2, grad_accum=1, epochs=3, lr=1e-3,
-                      timeout_s=180, checkpoint_every=3, max_failures=1, max_tokens_per_micro_batch=48)
+    fail_at = int(plan.loc[plan["epoch"] == 2, "step"].min()) + 2  # 1-based
+    assert (steps, fail_at) == (9, 8)
+    weights = dict(zip(ids.tolist(), np.linspace(0.4, 1.9, ids.size)))
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"optimizer": {"params": {"eps": 10.0}}}))
+    cfg = TrainConfig(num_workers=2, zero_stage=2, micro_batch_size=2, grad_accum=2, epochs=3, lr=1e-2,
+                      max_grad_norm=1e9, timeout_s=180, checkpoint_every=3, max_failures=1,
+                      max_tokens_per_micro_batch=32, deepspeed_config=str(user))
     monkeypatch.setenv("RAY_CLUSTER_FT_FAIL_AT_STEP", str(fail_at))
     staged_before = set(Path(tempfile.gettempdir()).glob("ds_ckpt_*"))
-    res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2, packing=True)
+    res = train(plan, ex, cfg, tiny_model, tmp_path / "run", pad_token_id=2, packing=True,
+                weights=pd.Series(weights))
 
     assert (tmp_path / "run" / ".fault_injected").exists() and res.resumed_from_step == 6
     assert res.steps == steps
@@ -300,7 +347,7 @@ def test_train_zero2_follows_a_packed_recut_plan_through_an_injected_failure(ray
 
     log = [json.loads(line) for line in res.log_path.read_text().splitlines()]
     assert [row["step"] for row in log] == list(range(steps))
-    assert [row["epoch"] for row in log] == [0] * 4 + [1] * 4 + [2] * 4
+    assert [row["epoch"] for row in log] == [0] * 3 + [1] * 3 + [2] * 3
     assert all(math.isfinite(row["loss"]) and row["loss"] > 0 for row in log)
     assert res.final_loss == log[-1]["loss"]
     # tokens per step = the real tokens of the rows the plan put in that step; packs have no padding
@@ -308,7 +355,7 @@ def test_train_zero2_follows_a_packed_recut_plan_through_an_injected_failure(ray
     assert [row["tokens"] for row in log] == want_tokens
     assert [row["padding_tokens"] for row in log] == [0] * steps
     # learning rate follows the client schedule (no warm-up: full lr first, linear decay)
-    assert [row["lr"] for row in log] == pytest.approx([1e-3 * lr_multiplier(i, 0, steps) for i in range(steps)])
+    assert [row["lr"] for row in log] == pytest.approx([1e-2 * lr_multiplier(i, 0, steps) for i in range(steps)])
 
     # per-rank step-time figures, one entry per rank, from the all-gathered step log
     assert all(len(row["step_time_s_per_rank"]) == 2 and row["step_time_s"] == pytest.approx(max(row["step_time_s_per_rank"]), abs=1e-4)
@@ -319,6 +366,24 @@ def test_train_zero2_follows_a_packed_recut_plan_through_an_injected_failure(ray
     assert res.checkpoint_path is not None and os.listdir(res.checkpoint_path)
     assert (res.final_model_dir / "tokenizer.json").exists() or (res.final_model_dir / "tokenizer_config.json").exists()
     _state_dict_keys_and_load(tiny_model, res.final_model_dir)
+
+    # The weights and the losses of the uninterrupted single process; the control: each step's loss the mean of its
+    # rows' token means (a loss that depends on how rows share packs)
+    by_step = [part["example_id"].tolist() for _, part in plan.groupby("step")]
+    kw = {"lr": 1e-2, "eps": 10.0, "total": steps, "weights": weights}
+    want, want_losses = reference_steps(tiny_model, ex, by_step, **kw)
+    other, _ = reference_steps(tiny_model, ex, by_step, exact=False, **kw)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(res.final_model_dir, dtype=torch.float32).state_dict()
+
+    def delta(sd):
+        return torch.cat([(sd[k] - base[k]).flatten() for k in base])
+
+    assert float((delta(got) - delta(want)).norm() / delta(want).norm()) < 1e-4
+    for k in base:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+    assert float((delta(other) - delta(want)).norm() / delta(want).norm()) > 1e-2
+    assert [row["loss"] for row in log] == pytest.approx(want_losses, rel=1e-5)
 
 
 @pytest.mark.slow
