@@ -4,6 +4,7 @@ by answer likelihood, greedy completions and pass@1.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -26,6 +27,21 @@ __all__ = [
 
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@contextlib.contextmanager
+def _scoring(model):
+    """``model.eval()`` and no gradients for the block; the model's training mode back afterwards, also when
+    scoring raises."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 def _check_width(logits, positions: int) -> None:
@@ -79,9 +95,7 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
     nex: dict[str, int] = defaultdict(int)
     device = next(model.parameters()).device
     keep = forward_keeps_logits(model)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
+    with _scoring(model):
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             b = collate([ids[i] for i in idx], [labels[i] for i in idx], pad_token_id)
@@ -112,7 +126,6 @@ def heldout_loss(model, examples: pa.Table, batch_size: int = 8, pad_token_id: i
                         raise ValueError(f"example {eids[i]!r}: no response token to score after its prompt")
                     row = torch.log_softmax(logits[j, col].double(), dim=-1)
                     prompt_end_scores[eids[i]] = row[list(want[eids[i]])].cpu().numpy()
-    model.train(was_training)
     out = {}
     for d in sorted(nll, key=lambda k: (k == "all", k)):
         loss = nll[d] / max(ntok[d], 1)
@@ -166,12 +179,10 @@ def choice_logprobs(model, items: list[dict], batch_size: int = 8, pad_token_id:
             raise ValueError(f"item {i}: empty choice continuation")
     out: list[np.ndarray] = [np.zeros(len(it["choice_ids"])) for it in items]
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    single = [i for i, it in enumerate(items) if all(len(c) == 1 for c in it["choice_ids"])]
-    one = set(single)
-    multi = [(i, j) for i, it in enumerate(items) if i not in one for j in range(len(it["choice_ids"]))]
-    with torch.no_grad():
+    with _scoring(model):
+        single = [i for i, it in enumerate(items) if all(len(c) == 1 for c in it["choice_ids"])]
+        one = set(single)
+        multi = [(i, j) for i, it in enumerate(items) if i not in one for j in range(len(it["choice_ids"]))]
         order = np.asarray(single)[np.argsort([len(items[i]["prompt_ids"]) for i in single], kind="stable")] \
             if single else np.zeros(0, dtype=np.int64)
         for idx in _batches(order, batch_size):
@@ -199,7 +210,6 @@ def choice_logprobs(model, items: list[dict], batch_size: int = 8, pad_token_id:
                 n_p, n_c = len(items[i]["prompt_ids"]), len(items[i]["choice_ids"][j])
                 # logits at position t predict token t+1: the choice tokens n_p..n_p+n_c-1 read n_p-1..
                 out[i][j] = tok_lp[row, n_p - 1 : n_p - 1 + n_c].sum()
-    model.train(was_training)
     return out
 
 
@@ -280,9 +290,7 @@ def generate_completions(model, tokenizer, prompts: list[list[int]], max_new_tok
     device = next(model.parameters()).device
     out: list[str] = [""] * len(prompts)
     order = np.argsort([len(p) for p in prompts], kind="stable")
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
+    with _scoring(model):
         for idx in _batches(order, batch_size):
             b = collate([prompts[i] for i in idx], pad_token_id=int(pad), side="left")
             ids, mask = torch.from_numpy(b["input_ids"]), torch.from_numpy(b["attention_mask"])
@@ -293,7 +301,6 @@ def generate_completions(model, tokenizer, prompts: list[list[int]], max_new_tok
             texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
             for r, i in enumerate(idx):
                 out[i] = texts[r]
-    model.train(was_training)
     return out
 
 

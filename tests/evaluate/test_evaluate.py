@@ -111,9 +111,11 @@ def test_held_out_scores_refuse_logits_that_are_not_the_inputs(tiny_model_dir):
     assert heldout_loss(model.get_base_model(), _table(rows))["all"]["tokens"] == 3
     one_token = [{"prompt_ids": [5, 6, 7], "choice_ids": [[8], [9]]}]  # one pass over the prompt
     longer = [{"prompt_ids": [5, 6, 7], "choice_ids": [[8, 10], [9]]}]  # one pass per prompt + choice
+    model.train()
     for items, width in ((one_token, 3), (longer, 5)):
         with pytest.raises(ValueError, match=f"logits for {width + 3} positions where {width} were asked"):
             choice_logprobs(model, items)
+        assert model.training  # a refused call leaves the model's mode as it was
         assert choice_logprobs(model.get_base_model(), items)[0].shape == (2,)
 
 

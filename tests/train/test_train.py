@@ -287,7 +287,8 @@ def _state_dict_keys_and_load(model_dir, final_dir):
 @pytest.mark.slow
 def test_train_zero2_follows_a_packed_recut_plan_through_an_injected_failure(ray_cpu, tiny_model, tmp_path,
                                                                             monkeypatch):
-    """3 epochs of a packed cluster plan (epochs 1 and 2 re-cut with seed + epoch; a pack holds any number of rows),
+    """3 epochs of a packed cluster plan (epochs 1 and 2 re-cut with seed + epoch: with these rows the same packs,
+    in another order and on other ranks; a pack holds any number of rows),
     2 packs per rank and step (G = 2), weighted rows; rank 0 raises once at the second step of epoch 2 (step 8 of
     9); the group restarts from the step-6 checkpoint and still trains exactly the plan: step 7, trained before the
     failure, is cut from the logs by the rows the checkpoint recorded and trained again, nothing is skipped, no
