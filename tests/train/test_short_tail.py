@@ -17,7 +17,7 @@ from ray_cluster_ft.allocate import make_plan
 from ray_cluster_ft.config import TrainConfig
 from ray_cluster_ft.train import build_rank_tables, train
 from ray_cluster_ft.train.loop import _PlanOrder
-from tests.train.test_train import make_examples, reference_steps
+from tests.train.test_train import assert_weights_match, make_examples, reference_steps
 
 
 def _short_tail_plan(ex, epochs: int):
@@ -53,9 +53,6 @@ def test_a_weighted_plan_with_a_short_last_micro_batch_and_step_trains_exactly(r
     a loss off by a scale or a weight would show (plain Adam's first step is nearly sign(g) * lr, blind to both).
     Two controls differ: the short steps folded into the next ones (a counter of G micro-batches), and the mean
     of the rows' token means (a loss that depends on how rows share micro-batches)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     tiny_model = str(tiny_model_dir)
     ex = make_examples(10, seed=7, min_len=4, max_len=40)
     plan = _short_tail_plan(ex, epochs=2)
@@ -78,16 +75,6 @@ def test_a_weighted_plan_with_a_short_last_micro_batch_and_step_trains_exactly(r
     merged = [steps[0], steps[1] + steps[2], steps[3]]
     controls = [reference_steps(tiny_model, ex, merged, weights=weights, **kw)[0],
                 reference_steps(tiny_model, ex, steps, weights=weights, exact=False, **kw)[0]]
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
-    got = AutoModelForCausalLM.from_pretrained(res.final_model_dir, dtype=torch.float32).state_dict()
-
-    def delta(sd):
-        return torch.cat([(sd[k] - base[k]).flatten() for k in base])
-
-    assert float((delta(got) - delta(want)).norm() / delta(want).norm()) < 1e-4
-    for k in base:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
-    for other in controls:
-        assert float((delta(other) - delta(want)).norm() / delta(want).norm()) > 1e-2
+    assert_weights_match(tiny_model, res.final_model_dir, want, controls)
     assert [r["loss"] for r in log] == pytest.approx(want_losses, rel=1e-5)
     assert res.final_loss == pytest.approx(want_losses[-1], rel=1e-5)

@@ -100,6 +100,26 @@ def reference_steps(model_dir: str, ex, steps: list[list[str]], lr: float, eps: 
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
+def assert_weights_match(model_dir: str, final_dir, want: dict, controls: list[dict]) -> None:
+    """The trained weights in ``final_dir`` equal ``want`` (a :func:`reference_steps` state dict) to 1e-5 per
+    parameter and 1e-4 in the norm of the update from ``model_dir``'s weights, while every control (a reference
+    trained some other way) is more than 1e-2 away in that norm: the comparison can tell the two apart."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).state_dict()
+
+    def delta(sd):
+        return torch.cat([(sd[k] - base[k]).flatten() for k in base])
+
+    assert float((delta(got) - delta(want)).norm() / delta(want).norm()) < 1e-4
+    for k in base:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+    for other in controls:
+        assert float((delta(other) - delta(want)).norm() / delta(want).norm()) > 1e-2
+
+
 # ---------------------------------------------------------------------------------------------- no Ray
 
 
@@ -296,9 +316,6 @@ def test_train_zero2_follows_a_packed_recut_plan_through_an_injected_failure(ray
     step's rows, uninterrupted (AdamW's eps is set large so an update is about lr * g / eps, linear in the
     gradient: a loss off by a scale or a weight would show; plain Adam's first step is nearly sign(g) * lr). Its
     checkpoints were written in place and only the final one is left."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from ray_cluster_ft.allocate import make_plan as make_cluster_plan
 
     ex = make_examples(24)
@@ -374,16 +391,7 @@ def test_train_zero2_follows_a_packed_recut_plan_through_an_injected_failure(ray
     kw = {"lr": 1e-2, "eps": 10.0, "total": steps, "weights": weights}
     want, want_losses = reference_steps(tiny_model, ex, by_step, **kw)
     other, _ = reference_steps(tiny_model, ex, by_step, exact=False, **kw)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
-    got = AutoModelForCausalLM.from_pretrained(res.final_model_dir, dtype=torch.float32).state_dict()
-
-    def delta(sd):
-        return torch.cat([(sd[k] - base[k]).flatten() for k in base])
-
-    assert float((delta(got) - delta(want)).norm() / delta(want).norm()) < 1e-4
-    for k in base:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
-    assert float((delta(other) - delta(want)).norm() / delta(want).norm()) > 1e-2
+    assert_weights_match(tiny_model, res.final_model_dir, want, [other])
     assert [row["loss"] for row in log] == pytest.approx(want_losses, rel=1e-5)
 
 
