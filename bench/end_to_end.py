@@ -37,6 +37,7 @@ Usage (run from a separate ``git worktree`` at a fixed commit, under ``nice``; d
     RAY_worker_niceness=0 nice -n 5 python bench/end_to_end.py               # everything, resumable (hours)
     python bench/end_to_end.py --pools natural --seeds 0 --arms ours random_subset full
     python bench/end_to_end.py --quick --model PATH                          # smoke run: tiny sizes
+    python bench/end_to_end.py --only-cached --pools natural --arms sketch --merge-into bench/results/quality.json
 """
 
 from __future__ import annotations
@@ -451,7 +452,7 @@ def summarise(args, results: dict) -> dict:
     """``bench/results/quality.json`` (the issue's keys): per pool ``candidates``, ``seeds``, ``epochs``,
     ``full_train_s`` and per arm lists over ``seeds``; the ``frontier``; ``ablations`` (natural); ``machine``."""
     keys = ("macro_loss", "macro_loss_last", "token_loss", "best_epoch", "selection_s", "train_s", "e2e_s", "rows",
-            "tokens_per_epoch")
+            "tokens_per_epoch", "load_after")
     doc = {"pools": {}, "frontier": {}, "defaults": arm_keys("ours", args), "ours": args.ours or "defaults",
            "machine": machine_info(),
            "settings": {k: getattr(args, k) for k in ("candidates", "eval_rows", "budget", "epochs", "lr",
@@ -513,6 +514,40 @@ def write_results(args, results: dict) -> dict:
     return doc
 
 
+def merge_into(path: Path, doc: dict, command: str) -> dict:
+    """Add the arms of ``doc`` (a :func:`summarise` result) to the results file at ``path`` and rewrite it: a
+    benchmark resumed on another machine, whose earlier arms' records are gone, extends the figures already
+    published. Each added arm gets ``commits`` (``doc``'s commit, once per seed; its records' ``load_after`` are
+    kept) and the file's ``merges`` a record of the command, the commit, the package's tree (the arms' records are
+    keyed by it: any commit with this tree ran them) and the merge's date. A pool's
+    ``full_train_s`` is taken when the file has none.
+
+    Raises:
+        ValueError: ``doc`` was run with other ``settings`` (other sizes: the figures would not compare), or an arm
+            it holds is in the file already (merging never replaces a published figure).
+    """
+    old = json.loads(path.read_text())
+    if old.get("settings") != doc["settings"]:
+        raise ValueError(f"settings differ: {old.get('settings')} in {path}, {doc['settings']} here")
+    commit, added = doc["machine"]["commit"], []
+    for pool, p in doc["pools"].items():
+        into = old["pools"].setdefault(pool, {**{k: p[k] for k in ("candidates", "seeds", "epochs")},
+                                              "full_train_s": None, "arms": {}})
+        for arm in p["arms"]:
+            if arm in into["arms"]:
+                raise ValueError(f"{pool} {arm} is in {path} already")
+        for arm, a in p["arms"].items():
+            into["arms"][arm] = {"seeds": a["seeds"], "commits": [commit] * len(a["seeds"]),
+                                 **{k: v for k, v in a.items() if k != "seeds"}}
+            added.append(f"{pool} {arm} (seeds {', '.join(map(str, a['seeds']))})")
+        if into.get("full_train_s") is None:
+            into["full_train_s"] = p.get("full_train_s")
+    old.setdefault("merges", []).append({"arms": added, "commit": commit, "package_tree": _package_tree(),
+                                         "merged_at": doc["machine"].get("date"), "command": command})
+    _write_json(path, old)
+    return old
+
+
 def headline(doc: dict) -> dict:
     """One line of figures: per pool and arm the mean macro loss over the seeds that ran."""
     out = {"commit": doc["machine"]["commit"]}
@@ -548,8 +583,14 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(REPO / "runs" / "bench_quality"))
     p.add_argument("--results", default=str(REPO / "bench" / "results" / "quality.json"))
     p.add_argument("--only-cached", action="store_true", help="summarise the kept arms; run nothing")
+    p.add_argument("--merge-into", default=None, metavar="PATH",
+                   help="with --only-cached: add the kept arms to the results file PATH (see merge_into)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny pools, seed 0, results into --out")
     args = p.parse_args(argv)
+    if args.merge_into:
+        if not args.only_cached:
+            p.error("--merge-into needs --only-cached: merge the arms of a finished run")
+        args.results = str(Path(args.out) / "quality_to_merge.json")
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -560,6 +601,9 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     doc = run_all(args)
+    if args.merge_into:
+        command = " ".join(["python", "bench/end_to_end.py", *(sys.argv[1:] if argv is None else argv)])
+        doc = merge_into(Path(args.merge_into), doc, command)
     print(json.dumps(headline(doc)))
     return doc
 

@@ -214,3 +214,37 @@ def test_the_schedule_waits_while_the_pause_file_exists(e2e, tmp_path):
     t = time.monotonic()
     e2e.wait_while_paused(tmp_path, poll_s=10)  # no file: returns at once
     assert time.monotonic() - t < 1
+
+
+def test_merging_adds_new_arms_to_published_figures_and_refuses_to_replace_or_mix(e2e, tmp_path):
+    args = e2e.parse_args(["--seeds", "0", "1", "--out", str(tmp_path), "--results", str(tmp_path / "q.json")])
+
+    def fig(m):
+        return {"macro_loss": m, "macro_loss_last": m, "token_loss": m, "best_epoch": 1, "selection_s": 5.0,
+                "train_s": 10.0, "e2e_s": 15.0, "rows": 10, "tokens_per_epoch": 100, "candidates": 600,
+                "load_after": "1.00 2.00 3.00"}
+
+    published = e2e.write_results(args, {"natural": {0: {"ours": fig(1.0)}, 1: {"ours": fig(1.1)}}})
+    published["pools"]["natural"]["arms"]["ours"]["note"] = "kept as it was"
+    (tmp_path / "q.json").write_text(json.dumps(published))
+    new = e2e.summarise(args, {"natural": {0: {"sketch": fig(1.2)}, 1: {"sketch": fig(1.3)}},
+                               "balanced": {0: {"full": {**fig(0.9), "train_s": 145.0}}}})
+    merged = e2e.merge_into(tmp_path / "q.json", new, "python bench/end_to_end.py --only-cached")
+    assert merged == json.loads((tmp_path / "q.json").read_text())
+    nat, bal = merged["pools"]["natural"], merged["pools"]["balanced"]
+    assert nat["arms"]["ours"] == published["pools"]["natural"]["arms"]["ours"]
+    assert nat["arms"]["sketch"]["macro_loss"] == [1.2, 1.3] and nat["arms"]["sketch"]["seeds"] == [0, 1]
+    assert nat["arms"]["sketch"]["commits"] == [new["machine"]["commit"]] * 2
+    assert nat["arms"]["sketch"]["load_after"] == ["1.00 2.00 3.00"] * 2
+    assert bal["arms"]["full"]["macro_loss"] == [0.9] and bal["full_train_s"] == 145.0
+    assert merged["merges"][-1]["arms"] == ["natural sketch (seeds 0, 1)", "balanced full (seeds 0)"]
+    before = (tmp_path / "q.json").read_text()
+    with pytest.raises(ValueError, match="natural sketch is in"):
+        e2e.merge_into(tmp_path / "q.json", new, "again")
+    other = e2e.summarise(e2e.parse_args(["--out", str(tmp_path), "--lr", "3e-4"]),
+                          {"natural": {0: {"flat": fig(1.0)}}})
+    with pytest.raises(ValueError, match="settings differ"):
+        e2e.merge_into(tmp_path / "q.json", other, "other lr")
+    assert (tmp_path / "q.json").read_text() == before  # a refused merge writes nothing
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--merge-into", str(tmp_path / "q.json")])  # only a finished run's kept arms
