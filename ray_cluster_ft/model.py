@@ -584,8 +584,9 @@ def _class_keeps_logits(cls: type) -> bool:
 
 def forward_keeps_logits(model) -> bool:
     """Whether ``model`` (a transformers causal LM, or a PEFT model around one, which passes the keyword on to its
-    base model) takes ``logits_to_keep`` in ``forward``: transformers' causal LMs do since 4.50 (a 1-D tensor keeps
-    those positions of every row). Callers without it compute all logits. PEFT prompt tuning and p-tuning do not
+    base model) takes ``logits_to_keep`` in ``forward`` (a 1-D tensor keeps those positions of every row): most of
+    transformers' causal LMs do, some older architectures only in later releases (the keyword was
+    ``num_logits_to_keep`` before), so the signature is read, not assumed. Callers without it compute all logits. PEFT prompt tuning and p-tuning do not
     count: they put virtual tokens' embeddings before the input, so the input's positions would read other logits
     (and the logits are longer than the input: the token-exact loss fails on their shape). Prefix tuning counts: its
     virtual tokens are key/value prefixes, the logits cover the input only."""
