@@ -514,13 +514,14 @@ def write_results(args, results: dict) -> dict:
     return doc
 
 
-def merge_into(path: Path, doc: dict, command: str) -> dict:
+def merge_into(path: Path, doc: dict, command: str, skip: tuple[str, ...] = ()) -> dict:
     """Add the arms of ``doc`` (a :func:`summarise` result) to the results file at ``path`` and rewrite it: a
     benchmark resumed on another machine, whose earlier arms' records are gone, extends the figures already
     published. Each added arm gets ``commits`` (``doc``'s commit, once per seed; its records' ``load_after`` are
     kept) and the file's ``merges`` a record of the command, the commit, the package's tree (the arms' records are
     keyed by it: any commit with this tree ran them) and the merge's date. A pool's
-    ``full_train_s`` is taken when the file has none.
+    ``full_train_s`` is taken when the file has none. Arms named in ``skip`` (``ours`` re-run only for the random
+    arms' counts, say) are not added; their macro losses go into the merge's record (``not_merged``).
 
     Raises:
         ValueError: ``doc`` was run with other ``settings`` (other sizes: the figures would not compare), or an arm
@@ -529,8 +530,12 @@ def merge_into(path: Path, doc: dict, command: str) -> dict:
     old = json.loads(path.read_text())
     if old.get("settings") != doc["settings"]:
         raise ValueError(f"settings differ: {old.get('settings')} in {path}, {doc['settings']} here")
-    commit, added = doc["machine"]["commit"], []
+    commit, added, not_merged = doc["machine"]["commit"], [], {}
     for pool, p in doc["pools"].items():
+        for arm in skip:
+            if arm in p["arms"]:
+                not_merged[f"{pool} {arm}"] = p["arms"][arm]["macro_loss"]
+        p = {**p, "arms": {a: v for a, v in p["arms"].items() if a not in skip}}
         into = old["pools"].setdefault(pool, {**{k: p[k] for k in ("candidates", "seeds", "epochs")},
                                               "full_train_s": None, "arms": {}})
         for arm in p["arms"]:
@@ -543,7 +548,8 @@ def merge_into(path: Path, doc: dict, command: str) -> dict:
         if into.get("full_train_s") is None:
             into["full_train_s"] = p.get("full_train_s")
     old.setdefault("merges", []).append({"arms": added, "commit": commit, "package_tree": _package_tree(),
-                                         "merged_at": doc["machine"].get("date"), "command": command})
+                                         "merged_at": doc["machine"].get("date"), "command": command,
+                                         **({"not_merged": not_merged} if not_merged else {})})
     _write_json(path, old)
     return old
 
@@ -585,6 +591,8 @@ def parse_args(argv=None):
     p.add_argument("--only-cached", action="store_true", help="summarise the kept arms; run nothing")
     p.add_argument("--merge-into", default=None, metavar="PATH",
                    help="with --only-cached: add the kept arms to the results file PATH (see merge_into)")
+    p.add_argument("--merge-skip", nargs="+", default=[], choices=list(ARMS), metavar="ARM",
+                   help="arms not to merge (ours run again only for the random arms' counts)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny pools, seed 0, results into --out")
     args = p.parse_args(argv)
     if args.merge_into:
@@ -603,7 +611,7 @@ def main(argv=None) -> dict:
     doc = run_all(args)
     if args.merge_into:
         command = " ".join(["python", "bench/end_to_end.py", *(sys.argv[1:] if argv is None else argv)])
-        doc = merge_into(Path(args.merge_into), doc, command)
+        doc = merge_into(Path(args.merge_into), doc, command, tuple(args.merge_skip))
     print(json.dumps(headline(doc)))
     return doc
 

@@ -246,5 +246,10 @@ def test_merging_adds_new_arms_to_published_figures_and_refuses_to_replace_or_mi
     with pytest.raises(ValueError, match="settings differ"):
         e2e.merge_into(tmp_path / "q.json", other, "other lr")
     assert (tmp_path / "q.json").read_text() == before  # a refused merge writes nothing
+    rerun = e2e.summarise(args, {"natural": {0: {"ours": fig(1.01), "flat": fig(1.4)}, 1: {"ours": fig(1.11)}}})
+    merged = e2e.merge_into(tmp_path / "q.json", rerun, "ours again for the counts", skip=("ours",))
+    assert merged["pools"]["natural"]["arms"]["ours"] == published["pools"]["natural"]["arms"]["ours"]
+    assert merged["pools"]["natural"]["arms"]["flat"]["macro_loss"] == [1.4, None]
+    assert merged["merges"][-1]["not_merged"] == {"natural ours": [1.01, 1.11]}
     with pytest.raises(SystemExit):
         e2e.parse_args(["--merge-into", str(tmp_path / "q.json")])  # only a finished run's kept arms
