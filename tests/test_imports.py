@@ -6,7 +6,8 @@
   later layer (imports inside functions count);
 - the algorithm modules import no Ray and do no file I/O;
 - no module imports another module's private name (``from .x import _y`` only from a private module ``_x`` of
-  the same package).
+  the same package);
+- no module over 600 lines and no function over 100 (issue 27's limits: a module or a function a reader can hold).
 """
 
 from __future__ import annotations
@@ -148,3 +149,16 @@ def test_no_module_imports_another_modules_private_name():
                     bad.append(f"{MODULES[name].relative_to(PKG.parent)}:{node.lineno} imports {a.name} from "
                                f"{'.' * node.level}{node.module or ''}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_module_over_600_lines_and_no_function_over_100():
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        rel = path.relative_to(PKG).as_posix()
+        if len(text.splitlines()) > 600:
+            long.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                long.append(f"{rel}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long
