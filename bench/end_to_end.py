@@ -47,6 +47,7 @@ import copy
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -514,42 +515,75 @@ def write_results(args, results: dict) -> dict:
     return doc
 
 
+def _seeds_that_ran(arm: dict) -> dict:
+    """An arm's figures without the seeds that have no ``macro_loss`` (the summary lists every seed of the run)."""
+    keep = [i for i, v in enumerate(arm.get("macro_loss", [])) if v is not None]
+    return {k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in arm.items()}
+
+
+def _join_seeds(have: dict, new: dict) -> dict:
+    """One arm's figures over the seeds of both (disjoint), in seed order; a list one side lacks is None there."""
+    n_have, n_new = len(have["seeds"]), len(new["seeds"])
+    order = sorted(range(n_have + n_new), key=lambda i: (have["seeds"] + new["seeds"])[i])
+    out = {k: v for k, v in have.items() if not isinstance(v, list)}
+    for k in dict.fromkeys([*have, *new]):
+        if isinstance(have.get(k, new.get(k)), list):
+            both = (have.get(k) or [None] * n_have) + (new.get(k) or [None] * n_new)
+            out[k] = [both[i] for i in order]
+    return out
+
+
 def merge_into(path: Path, doc: dict, command: str, skip: tuple[str, ...] = ()) -> dict:
-    """Add the arms of ``doc`` (a :func:`summarise` result) to the results file at ``path`` and rewrite it: a
+    """Add the figures of ``doc`` (a :func:`summarise` result) to the results file at ``path`` and rewrite it: a
     benchmark resumed on another machine, whose earlier arms' records are gone, extends the figures already
-    published. Each added arm gets ``commits`` (``doc``'s commit, once per seed; its records' ``load_after`` are
-    kept) and the file's ``merges`` a record of the command, the commit, the package's tree (the arms' records are
-    keyed by it: any commit with this tree ran them) and the merge's date. A pool's
-    ``full_train_s`` is taken when the file has none. Arms named in ``skip`` (``ours`` re-run only for the random
-    arms' counts, say) are not added; their macro losses go into the merge's record (``not_merged``).
+    published. Only seeds that ran are added: a new arm with them, or an arm of the file gains seeds that have no
+    figures there (its lists keep only the seeds with figures, in seed order; a key one side lacks is None there). Each added seed gets ``commits`` (``doc``'s
+    commit: the checkout that summarised, whose package tree keyed the records) and keeps its ``load_after``; the
+    file's ``merges`` records the arms, the command, the commit, the package's tree, the run's machine and the
+    merge's date, and the losses of the arms named in ``skip`` (``ours`` run again only for the random arms'
+    counts, say), which are not added (``not_merged``). A pool's ``full_train_s`` comes with its ``full`` arm.
 
     Raises:
-        ValueError: ``doc`` was run with other ``settings`` (other sizes: the figures would not compare), or an arm
-            it holds is in the file already (merging never replaces a published figure).
+        ValueError: ``doc`` was run with other ``settings`` (other sizes: the figures would not compare), or with
+            another ``ours`` while its ``ours`` or random arms would be added (their counts follow ``ours``); it
+            holds frontier points (not merged: run with ``--no-frontier``); a seed of an arm is in the file
+            already (merging never replaces a published figure); or it adds nothing. Nothing is written then.
     """
     old = json.loads(path.read_text())
     if old.get("settings") != doc["settings"]:
         raise ValueError(f"settings differ: {old.get('settings')} in {path}, {doc['settings']} here")
+    budgets = {pt["budget"] for pts in doc["frontier"].values() if isinstance(pts, list) for pt in pts}
+    if budgets - {doc["settings"]["budget"]}:
+        raise ValueError(f"frontier points (budgets {sorted(budgets)}) are not merged: run with --no-frontier")
     commit, added, not_merged = doc["machine"]["commit"], [], {}
     for pool, p in doc["pools"].items():
-        for arm in skip:
-            if arm in p["arms"]:
-                not_merged[f"{pool} {arm}"] = p["arms"][arm]["macro_loss"]
-        p = {**p, "arms": {a: v for a, v in p["arms"].items() if a not in skip}}
+        ran = {}
+        for arm, a in p["arms"].items():
+            if arm in skip:
+                not_merged[f"{pool} {arm}"] = a["macro_loss"]
+            elif _seeds_that_ran(a)["seeds"]:
+                ran[arm] = _seeds_that_ran(a)
+        if not ran:
+            continue
+        if doc.get("ours") != old.get("ours") and {"ours", "random_subset", "random_tokens"} & set(ran):
+            raise ValueError(f"ours is {doc.get('ours')!r} here and {old.get('ours')!r} in {path}")
         into = old["pools"].setdefault(pool, {**{k: p[k] for k in ("candidates", "seeds", "epochs")},
                                               "full_train_s": None, "arms": {}})
-        for arm in p["arms"]:
-            if arm in into["arms"]:
-                raise ValueError(f"{pool} {arm} is in {path} already")
-        for arm, a in p["arms"].items():
-            into["arms"][arm] = {"seeds": a["seeds"], "commits": [commit] * len(a["seeds"]),
-                                 **{k: v for k, v in a.items() if k != "seeds"}}
+        for arm, a in ran.items():
+            have = _seeds_that_ran(into["arms"].get(arm, {"seeds": [], "macro_loss": []}))
+            both = set(have["seeds"]) & set(a["seeds"])
+            if both:
+                raise ValueError(f"{pool} {arm} seed(s) {sorted(both)} are in {path} already")
+            into["arms"][arm] = _join_seeds(have, {**a, "commits": [commit] * len(a["seeds"])})
             added.append(f"{pool} {arm} (seeds {', '.join(map(str, a['seeds']))})")
-        if into.get("full_train_s") is None:
+        if "full" in ran and into.get("full_train_s") is None:
             into["full_train_s"] = p.get("full_train_s")
+    if not added:
+        raise ValueError(f"nothing to merge into {path}: no arm of this run has figures (skipped: {list(skip)})")
+    machine = {k: v for k, v in doc["machine"].items() if k not in ("commit", "command", "date")}
     old.setdefault("merges", []).append({"arms": added, "commit": commit, "package_tree": _package_tree(),
-                                         "merged_at": doc["machine"].get("date"), "command": command,
-                                         **({"not_merged": not_merged} if not_merged else {})})
+                                         "machine": machine, "merged_at": doc["machine"].get("date"),
+                                         "command": command, **({"not_merged": not_merged} if not_merged else {})})
     _write_json(path, old)
     return old
 
@@ -590,7 +624,8 @@ def parse_args(argv=None):
     p.add_argument("--results", default=str(REPO / "bench" / "results" / "quality.json"))
     p.add_argument("--only-cached", action="store_true", help="summarise the kept arms; run nothing")
     p.add_argument("--merge-into", default=None, metavar="PATH",
-                   help="with --only-cached: add the kept arms to the results file PATH (see merge_into)")
+                   help="with --only-cached: add the kept arms to the results file PATH (see merge_into); this "
+                        "run's own summary goes to OUT/quality_to_merge.json instead of --results")
     p.add_argument("--merge-skip", nargs="+", default=[], choices=list(ARMS), metavar="ARM",
                    help="arms not to merge (ours run again only for the random arms' counts)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny pools, seed 0, results into --out")
@@ -599,6 +634,8 @@ def parse_args(argv=None):
         if not args.only_cached:
             p.error("--merge-into needs --only-cached: merge the arms of a finished run")
         args.results = str(Path(args.out) / "quality_to_merge.json")
+    elif args.merge_skip:
+        p.error("--merge-skip is for --merge-into")
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -610,9 +647,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     doc = run_all(args)
     if args.merge_into:
-        command = " ".join(["python", "bench/end_to_end.py", *(sys.argv[1:] if argv is None else argv)])
-        doc = merge_into(Path(args.merge_into), doc, command, tuple(args.merge_skip))
-    print(json.dumps(headline(doc)))
+        command = shlex.join(["python", "bench/end_to_end.py", *(sys.argv[1:] if argv is None else argv)])
+        merge_into(Path(args.merge_into), doc, command, tuple(args.merge_skip))
+    print(json.dumps(headline(doc)))  # this run's arms (merged or not)
     return doc
 
 

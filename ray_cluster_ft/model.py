@@ -586,10 +586,11 @@ def forward_keeps_logits(model) -> bool:
     """Whether ``model`` (a transformers causal LM, or a PEFT model around one, which passes the keyword on to its
     base model) takes ``logits_to_keep`` in ``forward`` (a 1-D tensor keeps those positions of every row): most of
     transformers' causal LMs do, some older architectures only in later releases (the keyword was
-    ``num_logits_to_keep`` before), so the signature is read, not assumed. Callers without it compute all logits. PEFT prompt tuning and p-tuning do not
-    count: they put virtual tokens' embeddings before the input, so the input's positions would read other logits
-    (and the logits are longer than the input: the token-exact loss fails on their shape). Prefix tuning counts: its
-    virtual tokens are key/value prefixes, the logits cover the input only."""
+    ``num_logits_to_keep`` before), so the signature is read, not assumed. Callers without it compute all logits.
+    PEFT prompt tuning and p-tuning do not count: they put virtual tokens' embeddings before the input, so the
+    input's positions would read other logits (and the logits are longer than the input: the token-exact loss fails
+    on their shape). Prefix tuning counts: its virtual tokens are key/value prefixes, the logits cover the input
+    only."""
     if hasattr(model, "get_base_model"):
         config = getattr(model, "active_peft_config", None)
         if config is None or (getattr(config, "is_prompt_learning", True) and config.peft_type != "PREFIX_TUNING"):

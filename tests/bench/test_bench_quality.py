@@ -216,40 +216,63 @@ def test_the_schedule_waits_while_the_pause_file_exists(e2e, tmp_path):
     assert time.monotonic() - t < 1
 
 
-def test_merging_adds_new_arms_to_published_figures_and_refuses_to_replace_or_mix(e2e, tmp_path):
-    args = e2e.parse_args(["--seeds", "0", "1", "--out", str(tmp_path), "--results", str(tmp_path / "q.json")])
+def test_merging_adds_what_ran_to_published_figures_and_refuses_to_replace_or_mix(e2e, tmp_path):
+    args = e2e.parse_args(["--out", str(tmp_path), "--results", str(tmp_path / "q.json"), "--no-frontier"])
 
-    def fig(m):
+    def fig(m, train_s=10.0):
         return {"macro_loss": m, "macro_loss_last": m, "token_loss": m, "best_epoch": 1, "selection_s": 5.0,
-                "train_s": 10.0, "e2e_s": 15.0, "rows": 10, "tokens_per_epoch": 100, "candidates": 600,
-                "load_after": "1.00 2.00 3.00"}
+                "train_s": train_s, "e2e_s": train_s + 5.0, "rows": 10, "tokens_per_epoch": 100, "candidates": 600,
+                "load_after": f"{m:.2f} 2.00 3.00"}
 
-    published = e2e.write_results(args, {"natural": {0: {"ours": fig(1.0)}, 1: {"ours": fig(1.1)}}})
+    published = e2e.write_results(args, {"natural": {0: {"ours": fig(1.0)}, 1: {"ours": fig(1.1)}},
+                                         "balanced": {0: {"ours": fig(1.5)}}})
     published["pools"]["natural"]["arms"]["ours"]["note"] = "kept as it was"
     (tmp_path / "q.json").write_text(json.dumps(published))
-    new = e2e.summarise(args, {"natural": {0: {"sketch": fig(1.2)}, 1: {"sketch": fig(1.3)}},
-                               "balanced": {0: {"full": {**fig(0.9), "train_s": 145.0}}}})
+    assert published["pools"]["natural"]["arms"]["ours"]["seeds"] == [0, 1, 2]  # the summary lists every seed
+
+    # Seeds 0 and 1 of a new arm, seed 2 of a published one, and a pool's full data.
+    new = e2e.summarise(args, {"natural": {0: {"sketch": fig(1.2)}, 1: {"sketch": fig(1.3)}, 2: {"ours": fig(1.05)}},
+                               "balanced": {0: {"full": fig(0.9, train_s=145.0)}}})
     merged = e2e.merge_into(tmp_path / "q.json", new, "python bench/end_to_end.py --only-cached")
     assert merged == json.loads((tmp_path / "q.json").read_text())
     nat, bal = merged["pools"]["natural"], merged["pools"]["balanced"]
-    assert nat["arms"]["ours"] == published["pools"]["natural"]["arms"]["ours"]
-    assert nat["arms"]["sketch"]["macro_loss"] == [1.2, 1.3] and nat["arms"]["sketch"]["seeds"] == [0, 1]
-    assert nat["arms"]["sketch"]["commits"] == [new["machine"]["commit"]] * 2
-    assert nat["arms"]["sketch"]["load_after"] == ["1.00 2.00 3.00"] * 2
+    sketch = nat["arms"]["sketch"]
+    assert (sketch["seeds"], sketch["macro_loss"], sketch["load_after"]) == ([0, 1], [1.2, 1.3], ["1.20 2.00 3.00",
+                                                                                                 "1.30 2.00 3.00"])
+    assert sketch["commits"] == [new["machine"]["commit"]] * 2
+    ours = nat["arms"]["ours"]
+    assert (ours["seeds"], ours["macro_loss"], ours["note"]) == ([0, 1, 2], [1.0, 1.1, 1.05], "kept as it was")
+    assert ours["commits"] == [None, None, new["machine"]["commit"]]  # the published seeds had none
     assert bal["arms"]["full"]["macro_loss"] == [0.9] and bal["full_train_s"] == 145.0
-    assert merged["merges"][-1]["arms"] == ["natural sketch (seeds 0, 1)", "balanced full (seeds 0)"]
+    assert bal["arms"]["ours"] == published["pools"]["balanced"]["arms"]["ours"]
+    assert merged["merges"][-1]["arms"] == ["natural ours (seeds 2)", "natural sketch (seeds 0, 1)",
+                                            "balanced full (seeds 0)"]
+    assert merged["merges"][-1]["machine"]["cpus"] == new["machine"]["cpus"]
+
     before = (tmp_path / "q.json").read_text()
-    with pytest.raises(ValueError, match="natural sketch is in"):
-        e2e.merge_into(tmp_path / "q.json", new, "again")
-    other = e2e.summarise(e2e.parse_args(["--out", str(tmp_path), "--lr", "3e-4"]),
-                          {"natural": {0: {"flat": fig(1.0)}}})
-    with pytest.raises(ValueError, match="settings differ"):
-        e2e.merge_into(tmp_path / "q.json", other, "other lr")
+    refused = {
+        "are in .* already": new,  # any seed again
+        "settings differ": e2e.summarise(e2e.parse_args(["--out", str(tmp_path), "--lr", "3e-4"]),
+                                         {"natural": {0: {"flat": fig(1.0)}}}),
+        "ours is": e2e.summarise(e2e.parse_args(["--out", str(tmp_path), "--ours", "sqrt_quotas", "--no-frontier"]),
+                                 {"balanced": {1: {"random_tokens": fig(1.6)}}}),
+        "frontier": e2e.summarise(args, {"natural": {0: {"ours@0.2": fig(1.3), "flat": fig(1.4)}}}),
+        "nothing to merge": e2e.summarise(args, {"natural": {1: {"ours": fig(1.2)}}}),  # skipped below
+    }
+    for match, doc in refused.items():
+        with pytest.raises(ValueError, match=match):
+            e2e.merge_into(tmp_path / "q.json", doc, "refused", skip=("ours",) if match.startswith("nothing") else ())
     assert (tmp_path / "q.json").read_text() == before  # a refused merge writes nothing
-    rerun = e2e.summarise(args, {"natural": {0: {"ours": fig(1.01), "flat": fig(1.4)}, 1: {"ours": fig(1.11)}}})
-    merged = e2e.merge_into(tmp_path / "q.json", rerun, "ours again for the counts", skip=("ours",))
-    assert merged["pools"]["natural"]["arms"]["ours"] == published["pools"]["natural"]["arms"]["ours"]
-    assert merged["pools"]["natural"]["arms"]["flat"]["macro_loss"] == [1.4, None]
-    assert merged["merges"][-1]["not_merged"] == {"natural ours": [1.01, 1.11]}
-    with pytest.raises(SystemExit):
-        e2e.parse_args(["--merge-into", str(tmp_path / "q.json")])  # only a finished run's kept arms
+
+    # ours run again only for the random arms' counts: recorded, not merged; a skipped full brings no full_train_s.
+    rerun = e2e.summarise(args, {"balanced": {1: {"ours": fig(1.51), "random_tokens": fig(1.6)}},
+                                 "natural": {0: {"full": fig(0.7, train_s=999.0), "flat": fig(1.4)}}})
+    merged = e2e.merge_into(tmp_path / "q.json", rerun, "again", skip=("ours", "full"))
+    assert merged["pools"]["balanced"]["arms"]["ours"] == published["pools"]["balanced"]["arms"]["ours"]
+    assert merged["pools"]["balanced"]["arms"]["random_tokens"]["macro_loss"] == [1.6]
+    assert "full" not in merged["pools"]["natural"]["arms"] and merged["pools"]["natural"]["full_train_s"] is None
+    assert merged["pools"]["natural"]["arms"]["flat"]["macro_loss"] == [1.4]
+    assert merged["merges"][-1]["not_merged"] == {"balanced ours": [None, 1.51, None], "natural full": [0.7]}
+    for argv in (["--merge-into", "q.json"], ["--only-cached", "--merge-skip", "ours"]):
+        with pytest.raises(SystemExit):  # only a finished run's kept arms; skipping is for merging
+            e2e.parse_args(argv)
