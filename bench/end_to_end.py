@@ -540,8 +540,9 @@ def merge_into(path: Path, doc: dict, command: str, skip: tuple[str, ...] = ()) 
     """Add the figures of ``doc`` (a :func:`summarise` result) to the results file at ``path`` and rewrite it: a
     benchmark resumed on another machine, whose earlier arms' records are gone, extends the figures already
     published. Only seeds that ran are added: a new arm with them, or an arm of the file gains seeds that have no
-    figures there (its lists keep only the seeds with figures, in seed order; a key one side lacks is None there). Each added seed gets ``commits`` (``doc``'s
-    commit: the checkout that summarised, whose package tree keyed the records) and keeps its ``load_after``; the
+    figures there (its lists keep only the seeds with figures, in seed order; a key one side lacks is None there).
+    Each added seed gets ``commits`` (``doc``'s commit: the checkout that summarised, whose package tree keyed the
+    records) and keeps its ``load_after``; the
     file's ``merges`` records the arms, the command, the commit, the package's tree, the run's machine and the
     merge's date, and the losses of the arms named in ``skip`` (``ours`` run again only for the random arms'
     counts, say), which are not added (``not_merged``). A pool's ``full_train_s`` comes with its ``full`` arm.
@@ -564,8 +565,8 @@ def merge_into(path: Path, doc: dict, command: str, skip: tuple[str, ...] = ()) 
         for arm, a in p["arms"].items():
             if arm in skip:
                 not_merged[f"{pool} {arm}"] = a["macro_loss"]
-            elif _seeds_that_ran(a)["seeds"]:
-                ran[arm] = _seeds_that_ran(a)
+            elif (kept := _seeds_that_ran(a))["seeds"]:
+                ran[arm] = kept
         if not ran:
             continue
         if doc.get("ours") != old.get("ours") and {"ours", "random_subset", "random_tokens"} & set(ran):
