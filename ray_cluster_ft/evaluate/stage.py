@@ -230,9 +230,10 @@ class _Scoring:
         tasks: :func:`eval_tasks`' multiple-choice items and code problems of those rows.
         when: ``"before"`` or ``"after"`` (training): names the artifacts.
         evaluator: the :data:`Evaluator` to call.
-        resume: ``before`` only: read back ``eval_before.json`` of a stopped run instead of scoring again.
+        resume: ``before`` only: read back the scores of a stopped run instead of scoring again
+            (``eval_before.json``; for a file, ``eval_before_file<i>.json`` when its rows are unchanged).
         name: ``""`` for the held-out split of the training sources; ``file<i>`` for the i-th
-            ``evaluation.paths`` file (its own samples file, never cached).
+            ``evaluation.paths`` file (its own samples file and scores file).
     """
 
     model_path: str | None
@@ -255,25 +256,44 @@ def _score(run_dir: Path, inputs: _Scoring) -> dict:
     """
     from ..rundir import claim
 
-    cached = run_dir / "eval_before.json" if not inputs.name else None
-    if inputs.when == "before" and inputs.resume and cached is not None and cached.exists():
-        return json.loads(cached.read_text())
-    samples_file = f"eval_{inputs.when}{'_' + inputs.name if inputs.name else ''}_samples.jsonl"
-    claim(run_dir, samples_file, *(["eval_before.json"] if inputs.when == "before" and cached else []))
+    suffix = f"_{inputs.name}" if inputs.name else ""
+    # A file's scores are kept with a digest of its rows: a resumed run re-reads the file, which may have changed.
+    cached = run_dir / f"eval_before{suffix}.json" if inputs.when == "before" else None
+    digest = _rows_digest(inputs.examples) if inputs.name else None
+    if inputs.resume and cached is not None and cached.exists():
+        kept = json.loads(cached.read_text())
+        if not inputs.name:
+            return kept
+        if kept.get("rows_sha256") == digest:
+            return kept["metrics"]
+    samples_file = f"eval_{inputs.when}{suffix}_samples.jsonl"
+    claim(run_dir, samples_file, *([cached.name] if cached is not None else []))
     metrics: dict = {}
     if inputs.examples.num_rows and inputs.model_path:
         metrics, samples = inputs.evaluator(inputs.model_path, inputs.examples, inputs.tasks)
         write_samples(run_dir / samples_file, samples)
-    if inputs.when == "before" and cached is not None:
-        cached.write_text(json.dumps(metrics, default=float))
+    if cached is not None:
+        kept = metrics if not inputs.name else {"rows_sha256": digest, "metrics": metrics}
+        cached.write_text(json.dumps(kept, default=float))
     return metrics
 
 
+def _rows_digest(table: pa.Table) -> str:
+    """SHA-256 of ``table``'s rows as an Arrow IPC stream: equal for the same rows read again."""
+    import hashlib
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table.combine_chunks())
+    return hashlib.sha256(sink.getvalue()).hexdigest()
+
+
 def _score_files(cfg: JobConfig, run_dir: Path, files: dict, model_path: str | None, when: str,
-                 evaluator: Evaluator) -> dict:
+                 evaluator: Evaluator, resume: bool = False) -> dict:
     """Score ``model_path`` on every ``evaluation.paths`` file (``files``: path -> its
     :class:`~ray_cluster_ft.data.DataResult`, all rows in ``train``), each with its own tasks and
-    ``eval_{when}_file<i>_samples.jsonl``.
+    ``eval_{when}_file<i>_samples.jsonl``; with ``resume``, a file whose rows are unchanged keeps its
+    ``eval_before_file<i>.json`` scores.
 
     Returns:
         ``{path: metrics}`` (as :func:`_score` returns them).
@@ -286,7 +306,7 @@ def _score_files(cfg: JobConfig, run_dir: Path, files: dict, model_path: str | N
         table = res.train
         tasks = eval_tasks(DataConfig(source="files", paths=[path]), table, max_mc=ev.max_mc,
                            max_code=ev.max_code) if table.num_rows else []
-        out[path] = _score(run_dir, _Scoring(model_path, table, tasks, when, evaluator, name=f"file{i}"))
+        out[path] = _score(run_dir, _Scoring(model_path, table, tasks, when, evaluator, resume, name=f"file{i}"))
     return out
 
 
@@ -326,12 +346,13 @@ def run(cfg: JobConfig, run_dir: Path, *, model_path: str | None, examples: pa.T
         evaluator: the :data:`Evaluator` to call.
         eval_files: per ``evaluation.paths`` file its rows (:class:`~ray_cluster_ft.data.DataResult`, all in
             ``train``); None for none.
-        resume: ``before`` only: read back ``eval_before.json`` of a stopped run instead of scoring the held-out
-            split again (the files are scored again: they are never cached).
+        resume: ``before`` only: read back the base model's scores of a stopped run instead of scoring again:
+            the held-out split's ``eval_before.json``, and each file's ``eval_before_file<i>.json`` where the
+            file's rows are the same (a file edited between the two is scored again).
 
     Returns:
         :class:`EvaluateOutput`.
     """
     metrics = _score(run_dir, _Scoring(model_path, examples, tasks, when, evaluator, resume))
-    files = _score_files(cfg, run_dir, eval_files or {}, model_path, when, evaluator)
+    files = _score_files(cfg, run_dir, eval_files or {}, model_path, when, evaluator, resume)
     return EvaluateOutput(when, metrics, files)
