@@ -19,6 +19,7 @@ import pyarrow as pa
 from ..config import ConfigError, DataConfig
 from .formats import canonical_row, check_text, columns_hint, missing_sources
 from .read import Rejection, example_id, hash_order, iter_rows
+from .tasks import task_fields
 from .tokenize import tokenize_guarded, tokenize_rows
 
 __all__ = [
@@ -160,15 +161,19 @@ class Canonical(NamedTuple):
     domain: str
 
 
-def canonical_record(src: str, pos: int, row: Any, cfg: DataConfig) -> Canonical | Rejection:
+def canonical_record(src: str, pos: int, row: Any, cfg: DataConfig, eval_file: bool = False) -> Canonical | Rejection:
     """One row as read (``row`` may be a read-time :class:`Rejection`) -> its format, chat messages, unused text
     fields with the ``data.columns`` hint of each, ``source`` (the row's own, else the file's stem) and folded
     domain; or its :class:`Rejection`. The one per-row step of both :func:`load_examples` and the Ray Data path
-    (:mod:`.ray_data`)."""
+    (:mod:`.ray_data`). In an evaluation file (``eval_file``) the fields the row's evaluation task reads
+    (:func:`.tasks.task_fields`: MBPP's ``tests``, HumanEval's ``test``, ...) are scored, so not unused."""
     if isinstance(row, Rejection):
         return row
     try:
         fmt, msgs, left = canonical_row(row, cfg.format, cfg.columns)
+        if eval_file and left:
+            scored = task_fields(row)
+            left = [name for name in left if name not in scored]
         domain = _row_domain(row)
         source = row.get("source") if isinstance(row.get("source"), str) and row.get("source") else Path(src).stem
         check_text(source, "field 'source'")  # else Arrow fails on the whole table, not on this row
@@ -206,7 +211,7 @@ def split_held_out(table: pa.Table, cfg: DataConfig) -> tuple[pa.Table, pa.Table
     return table.filter(pa.array(~held)), table.filter(pa.array(held))
 
 
-def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> DataResult:
+def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048, eval_file: bool = False) -> DataResult:
     """Read every source of ``cfg``, canonicalise (:mod:`.formats`), tokenize (:mod:`.tokenize`),
     de-duplicate and split off the held-out rows.
 
@@ -214,6 +219,8 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         cfg: the data section of the job config.
         tokenizer: the model's tokenizer (chat template applied).
         tokenize_chunk: rows tokenized per call (memory bound).
+        eval_file: the sources are ``evaluation.paths`` files: a row's task fields are not unused
+            (:func:`canonical_record`).
 
     Returns:
         A :class:`DataResult`; ``n_read == len(train) + len(eval) + len(rejected)`` always holds.
@@ -237,7 +244,7 @@ def load_examples(cfg: DataConfig, tokenizer, tokenize_chunk: int = 2048) -> Dat
         sources[src] = sources.get(src, 0) + 1
         if cfg.columns and isinstance(row, dict):
             fields.setdefault(src, {}).update(dict.fromkeys(row))
-        rec = canonical_record(src, pos, row, cfg)
+        rec = canonical_record(src, pos, row, cfg, eval_file)
         if isinstance(rec, Rejection):
             acc.rejected.append(rec)
             continue

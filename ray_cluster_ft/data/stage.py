@@ -318,7 +318,7 @@ def _eval_files(cfg: JobConfig, tok, limit: int | None = None) -> dict[str, Data
     out: dict[str, DataResult] = {}
     for path in cfg.evaluation.paths:
         try:
-            out[path] = load_examples(_eval_config(cfg, path, limit), tok)
+            out[path] = load_examples(_eval_config(cfg, path, limit), tok, eval_file=True)
         except FileNotFoundError as err:  # else it reads as a data.paths file
             raise FileNotFoundError(f"evaluation.paths: {err}") from None
     return out

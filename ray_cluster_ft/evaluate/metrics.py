@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..data.collate import collate, logits_positions
+from ..data.tasks import LETTERS
 from ..model import forward_keeps_logits
 
 __all__ = [
@@ -24,9 +25,6 @@ __all__ = [
     "generate_completions",
     "pass_at_1",
 ]
-
-
-LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 @contextlib.contextmanager

@@ -10,38 +10,13 @@ import re
 
 import pyarrow as pa
 
-from .metrics import LETTERS
+from ..data.tasks import task_from_row
 
 __all__ = [
     "task_from_row",
     "demo_eval_fields",
     "eval_tasks",
 ]
-
-
-def task_from_row(row: dict) -> dict | None:
-    """The evaluation task a source row carries, or None (see the module docstring for the fields).
-
-    Returns:
-        ``{"kind": "mc", "choices": ["A", "B", ...], "gold": int}`` or ``{"kind": "code", "prefix": str,
-        "tests": str}``; None for a row without (well-formed) task fields.
-    """
-    choices, gold = row.get("choices"), row.get("gold")
-    if isinstance(choices, list) and 2 <= len(choices) <= len(LETTERS) and all(isinstance(c, str) for c in choices):
-        letters = list(LETTERS[: len(choices)])
-        if isinstance(gold, str) and gold.strip().upper() in letters:
-            return {"kind": "mc", "choices": letters, "gold": letters.index(gold.strip().upper())}
-        if isinstance(gold, int) and not isinstance(gold, bool) and 0 <= gold < len(choices):
-            return {"kind": "mc", "choices": letters, "gold": gold}
-    prefix = row.get("code_prefix") if isinstance(row.get("code_prefix"), str) else ""
-    tests = row.get("tests")
-    if isinstance(tests, list) and tests and all(isinstance(t, str) and t.strip() for t in tests):
-        setup = row.get("test_setup_code") if isinstance(row.get("test_setup_code"), str) else ""
-        return {"kind": "code", "prefix": prefix, "tests": (setup + "\n" if setup.strip() else "") + "\n".join(tests)}
-    test, entry = row.get("test"), row.get("entry_point")
-    if isinstance(test, str) and test.strip() and isinstance(entry, str) and entry.isidentifier():
-        return {"kind": "code", "prefix": prefix, "tests": f"{test}\n\ncheck({entry})\n"}
-    return None
 
 
 def humaneval_records() -> dict[str, dict]:

@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -190,3 +191,43 @@ def test_evaluation_files_are_held_to_the_unused_fields_policy(tmp_path, tiny_mo
     spec["data"]["unused_fields"] = "ignore"
     run(parse_config(spec), tmp_path / "run2")
     assert "warning" not in capsys.readouterr().out
+
+
+def test_an_evaluation_files_task_fields_are_scored_not_unused(tmp_path, tiny_model_dir, capsys):
+    """MBPP's ``tests``, HumanEval's ``test`` and ``entry_point`` and an MC item's ``choices`` are what the
+    evaluation scores: in an evaluation file they are used, under ``data.unused_fields: error`` too; a malformed
+    one (no task) and the same fields in a training file (not trained on) still count as unused."""
+    from ray_cluster_ft.config import ConfigError, parse_config
+    from ray_cluster_ft.data.stage import run
+    from ray_cluster_ft.rundir import prepare_run_dir
+
+    mbpp = {"question": "Write a function to add two numbers.", "answer": "def add(a, b):\n    return a + b",
+            "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0 and add(0, 0) == 0"], "test_setup_code": ""}
+    human = {"prompt": "def inc(x):\n", "response": "    return x + 1",
+             "test": "def check(candidate):\n    assert candidate(1) == 2, 'one more than one is two'",
+             "entry_point": "inc"}
+    mc = {"question": "Which organ pumps blood through the body?", "answer": "B",
+          "choices": ["The liver of the body", "The heart of the body"], "gold": "B"}
+    broken = {**mbpp, "question": "Write a function to add three numbers.", "tests": "assert add(1, 2) == 3 or so"}
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in (mbpp, human, mc)))
+    spec = {"data": {"paths": [str(held)], "eval_fraction": 0.0, "unused_fields": "error"},
+            "model": {"path": str(tiny_model_dir)}, "evaluation": {"paths": [str(held)]},
+            "output": {"dir": str(tmp_path / "run")}}
+    prepare_run_dir(tmp_path / "run", resume=False)
+    with pytest.raises(ConfigError) as err:  # the training file's rows: tests, test and choices are not trained
+        run(parse_config(spec), tmp_path / "run")
+    lines = re.findall(r"^  (.*): field '(\w+)' is not used", str(err.value), re.M)
+    assert sorted(lines) == [(str(held), "choices"), (str(held), "test"), (str(held), "tests")]  # no evaluation file
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"question {i}", "response": f"answer {i}"}) + "\n"
+                             for i in range(4)))
+    spec["data"]["paths"] = [str(train)]
+    stage = run(parse_config(spec), tmp_path / "run")  # the evaluation file alone: nothing unused
+    assert stage.eval_files[str(held)].unused == {} and stage.eval_files[str(held)].train.num_rows == 3
+
+    held.write_text("".join(json.dumps(r) + "\n" for r in (mbpp, broken)))
+    with pytest.raises(ConfigError, match=rf"\n  evaluation file {held}: field 'tests' is not used by the row "
+                                          r"format in 1 row;"):
+        run(parse_config(spec), tmp_path / "run")  # a tests string is no MBPP task: left unused, so reported
