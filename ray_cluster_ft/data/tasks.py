@@ -47,8 +47,9 @@ def _task(row: dict) -> tuple[dict | None, tuple[str, ...]]:
     prefix = row["code_prefix"] if has_prefix else ""
     tests = row.get("tests")
     if isinstance(tests, list) and tests and all(isinstance(t, str) and t.strip() for t in tests):
-        setup = row.get("test_setup_code") if isinstance(row.get("test_setup_code"), str) else ""
-        used = ("tests", "test_setup_code") if "test_setup_code" in row else ("tests",)
+        has_setup = isinstance(row.get("test_setup_code"), str)
+        setup = row["test_setup_code"] if has_setup else ""
+        used = ("tests", "test_setup_code") if has_setup else ("tests",)
         return ({"kind": "code", "prefix": prefix, "tests": (setup + "\n" if setup.strip() else "") + "\n".join(tests)},
                 used + (("code_prefix",) if has_prefix else ()))
     test, entry = row.get("test"), row.get("entry_point")

@@ -5,9 +5,10 @@ before and after training (a Ray task, so the driver stays light).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -197,7 +198,6 @@ def ray_evaluator(cfg: JobConfig, pad_token_id: int) -> Evaluator:
         cfg: the job config (``evaluation`` limits, ``train.use_gpu``, ``model.trust_remote_code``).
         pad_token_id: the trained model's padding id.
     """
-    import os
 
     def evaluate(model_path: str, examples: pa.Table, tasks: list) -> tuple:
         import ray
@@ -231,9 +231,10 @@ class _Scoring:
         when: ``"before"`` or ``"after"`` (training): names the artifacts.
         evaluator: the :data:`Evaluator` to call.
         resume: ``before`` only: read back the scores of a stopped run instead of scoring again
-            (``eval_before.json``; for a file, ``eval_before_file<i>.json`` when its rows are unchanged).
+            (``eval_before.json``; for a file, ``eval_before_file<i>.json`` when its key is unchanged).
         name: ``""`` for the held-out split of the training sources; ``file<i>`` for the i-th
             ``evaluation.paths`` file (its own samples file and scores file).
+        settings: what else decides a file's scores (the ``evaluation`` settings but ``paths``), in its key.
     """
 
     model_path: str | None
@@ -243,13 +244,17 @@ class _Scoring:
     evaluator: Evaluator
     resume: bool = False
     name: str = ""
+    settings: dict = field(default_factory=dict)
 
 
 def _score(run_dir: Path, inputs: _Scoring) -> dict:
     """Score ``inputs.model_path`` on ``inputs.examples``.
 
-    Writes ``eval_{when}_samples.jsonl`` (one record per scored task) and, before training,
-    ``eval_before.json`` (read back on ``resume``, so a resumed run compares against the same base scores).
+    Writes ``eval_{when}[_file<i>]_samples.jsonl`` (one record per scored task) and, before training, the scores:
+    ``eval_before.json`` for the held-out split, ``eval_before_file<i>.json`` for a file (with its key, a SHA-256
+    of the rows, the tasks, the ``evaluation`` settings and the model path). ``resume`` reads them back, so a
+    resumed run compares against the same base scores; a file's only while its key is unchanged (a file edited or
+    settings changed in between are scored again), and a file that cannot be read is scored again.
 
     Returns:
         The metrics (``{}`` when nothing is held out or there is no model to score).
@@ -257,35 +262,45 @@ def _score(run_dir: Path, inputs: _Scoring) -> dict:
     from ..rundir import claim
 
     suffix = f"_{inputs.name}" if inputs.name else ""
-    # A file's scores are kept with a digest of its rows: a resumed run re-reads the file, which may have changed.
     cached = run_dir / f"eval_before{suffix}.json" if inputs.when == "before" else None
-    digest = _rows_digest(inputs.examples) if inputs.name else None
+    # A file's scores are kept with a key: a resumed run reads the file and the config again, either may have changed.
+    key = _scoring_key(inputs) if cached is not None and inputs.name else None
     if inputs.resume and cached is not None and cached.exists():
-        kept = json.loads(cached.read_text())
-        if not inputs.name:
+        try:
+            kept = json.loads(cached.read_text())
+        except ValueError:
+            kept = None
+        if kept is not None and not inputs.name:
             return kept
-        if kept.get("rows_sha256") == digest:
+        if isinstance(kept, dict) and kept.get("key_sha256") == key:
             return kept["metrics"]
     samples_file = f"eval_{inputs.when}{suffix}_samples.jsonl"
-    claim(run_dir, samples_file, *([cached.name] if cached is not None else []))
+    # The scores are written whole to a .tmp, then renamed: a run killed meanwhile leaves no half file to read back.
+    claim(run_dir, samples_file, *([cached.name, cached.name + ".tmp"] if cached is not None else []))
     metrics: dict = {}
     if inputs.examples.num_rows and inputs.model_path:
         metrics, samples = inputs.evaluator(inputs.model_path, inputs.examples, inputs.tasks)
         write_samples(run_dir / samples_file, samples)
     if cached is not None:
-        kept = metrics if not inputs.name else {"rows_sha256": digest, "metrics": metrics}
-        cached.write_text(json.dumps(kept, default=float))
+        kept = metrics if not inputs.name else {"key_sha256": key, "metrics": metrics}
+        tmp = cached.with_name(cached.name + ".tmp")
+        tmp.write_text(json.dumps(kept, default=float))
+        os.replace(tmp, cached)
     return metrics
 
 
-def _rows_digest(table: pa.Table) -> str:
-    """SHA-256 of ``table``'s rows as an Arrow IPC stream: equal for the same rows read again."""
+def _scoring_key(inputs: _Scoring) -> str:
+    """SHA-256 of what decides a scoring pass's result: the rows (as an Arrow IPC stream, so equal for the same
+    rows read again), the tasks (the file's own task fields: ``tests``, ``gold``, ...), ``inputs.settings`` and
+    the model path."""
     import hashlib
 
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table.combine_chunks())
-    return hashlib.sha256(sink.getvalue()).hexdigest()
+    with pa.ipc.new_stream(sink, inputs.examples.schema) as writer:
+        writer.write_table(inputs.examples.combine_chunks())
+    h = hashlib.sha256(sink.getvalue().to_pybytes())
+    h.update(json.dumps([inputs.tasks, inputs.settings, inputs.model_path], sort_keys=True, default=str).encode())
+    return h.hexdigest()
 
 
 def _score_files(cfg: JobConfig, run_dir: Path, files: dict, model_path: str | None, when: str,
@@ -306,7 +321,8 @@ def _score_files(cfg: JobConfig, run_dir: Path, files: dict, model_path: str | N
         table = res.train
         tasks = eval_tasks(DataConfig(source="files", paths=[path]), table, max_mc=ev.max_mc,
                            max_code=ev.max_code) if table.num_rows else []
-        out[path] = _score(run_dir, _Scoring(model_path, table, tasks, when, evaluator, resume, name=f"file{i}"))
+        out[path] = _score(run_dir, _Scoring(model_path, table, tasks, when, evaluator, resume, name=f"file{i}",
+                                             settings=ev.model_dump(mode="json", exclude={"paths"})))
     return out
 
 
@@ -337,7 +353,8 @@ def run(cfg: JobConfig, run_dir: Path, *, model_path: str | None, examples: pa.T
 
     Args:
         cfg: the job config (``evaluation`` limits).
-        run_dir: the run directory (``eval_{when}*_samples.jsonl``, ``eval_before.json``).
+        run_dir: the run directory (``eval_{when}*_samples.jsonl``, ``eval_before.json``,
+            ``eval_before_file<i>.json``).
         model_path: the model folder to score (the base model before training, ``final_model`` after); None
             scores nothing.
         examples: the held-out rows (:data:`ray_cluster_ft.data.EXAMPLE_SCHEMA`).
@@ -347,8 +364,8 @@ def run(cfg: JobConfig, run_dir: Path, *, model_path: str | None, examples: pa.T
         eval_files: per ``evaluation.paths`` file its rows (:class:`~ray_cluster_ft.data.DataResult`, all in
             ``train``); None for none.
         resume: ``before`` only: read back the base model's scores of a stopped run instead of scoring again:
-            the held-out split's ``eval_before.json``, and each file's ``eval_before_file<i>.json`` where the
-            file's rows are the same (a file edited between the two is scored again).
+            the held-out split's ``eval_before.json``, and each file's ``eval_before_file<i>.json`` where its
+            rows, tasks, ``evaluation`` settings and model are the same (else it is scored again; see ``_score``).
 
     Returns:
         :class:`EvaluateOutput`.
