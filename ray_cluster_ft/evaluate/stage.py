@@ -307,8 +307,8 @@ def _score_files(cfg: JobConfig, run_dir: Path, files: dict, model_path: str | N
                  evaluator: Evaluator, resume: bool = False) -> dict:
     """Score ``model_path`` on every ``evaluation.paths`` file (``files``: path -> its
     :class:`~ray_cluster_ft.data.DataResult`, all rows in ``train``), each with its own tasks and
-    ``eval_{when}_file<i>_samples.jsonl``; with ``resume``, a file whose rows are unchanged keeps its
-    ``eval_before_file<i>.json`` scores.
+    ``eval_{when}_file<i>_samples.jsonl``; with ``resume``, a file whose key is unchanged keeps its
+    ``eval_before_file<i>.json`` scores (:func:`_score`).
 
     Returns:
         ``{path: metrics}`` (as :func:`_score` returns them).

@@ -49,7 +49,7 @@ def test_sketch_fidelity_runs(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_plan_scale_runs(tmp_path):
     out = tmp_path / "ps.json"
-    # One size: each size costs two processes, the streamed one with a Ray of its own (about 10 CPU-s).
+    # One size: each costs two processes, the streamed one with a Ray of its own (a second size: 14.7 CPU-s more).
     fig = _run("plan_scale.py", "--sizes", "1000", "--out", str(out))
     assert fig["seconds_1e3"] > 0 and fig["streamed_seconds_1e3"] > 0 and fig["streamed_stages_1e3"]["cluster"] > 0
     assert "growth_per_10x_1e3" not in fig and json.loads(out.read_text()) == fig  # a growth needs two sizes
