@@ -248,14 +248,18 @@ def test_code_known_outcomes():
     comps = [
         "def add(a, b):\n    return a + b\n",                          # right
         "def add(a, b):\n    return a - b\n",                          # wrong
-        "def add(a, b):\n    while True:\n        pass\n",             # never returns
         "def add(a, b)\n    return a + b\n",                           # does not compile
         "Sure:\n```python\ndef add(a, b):\n    return a + b\n```\nprint(add(1,",  # fenced, with chat around it
     ]
-    res = check_completions(comps, [{"tests": tests}] * len(comps), time_limit_s=2.0, workers=3)
-    assert [r["status"] for r in res] == ["passed", "failed", "timeout", "syntax_error", "passed"]
+    # A generous limit for the programs that finish: in a loaded suite a correct program beside a busy loop once
+    # took over 2 s and was scored a timeout.
+    res = check_completions(comps, [{"tests": tests}] * len(comps), time_limit_s=60.0, workers=3)
+    assert [r["status"] for r in res] == ["passed", "failed", "syntax_error", "passed"]
     assert "AssertionError" in res[1]["stderr"]
-    assert 1.9 < res[2]["seconds"] < 10  # stopped at the limit, not left running
+    # The one that never returns, alone, with a short limit: stopped at the limit, not left running.
+    (loop,) = check_completions(["def add(a, b):\n    while True:\n        pass\n"], [{"tests": tests}],
+                                time_limit_s=2.0, workers=1)
+    assert loop["status"] == "timeout" and 1.9 < loop["seconds"] < 10
 
 
 def test_code_limits_and_isolation(tmp_path):
