@@ -78,6 +78,28 @@ def test_a_local_ray_takes_the_users_ray_train_settings_over_its_own(monkeypatch
     assert calls[-1]["runtime_env"] == {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}}
 
 
+def test_a_local_rays_dashboard_is_on_unless_the_variable_turns_it_off(monkeypatch):
+    import ray
+
+    from ray_cluster_ft.config import ConfigError
+    from ray_cluster_ft.pipeline.session import init_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_CLUSTER_FT_LOCAL_DASHBOARD", raising=False)
+    assert init_ray(None, use_gpu=False) and "include_dashboard" not in calls[-1]  # Ray's default: a dashboard
+    monkeypatch.setenv("RAY_CLUSTER_FT_LOCAL_DASHBOARD", "0")
+    assert init_ray(None, use_gpu=False) and calls[-1]["include_dashboard"] is False
+    port = calls[-1]["dashboard_port"]
+    assert port != 8265 and 0 < port < 65536  # not the address another Ray's dashboard answers on
+    assert init_ray("auto", use_gpu=False) and "include_dashboard" not in calls[-1]  # a joined cluster: untouched
+    monkeypatch.setenv("RAY_CLUSTER_FT_LOCAL_DASHBOARD", "off")
+    with pytest.raises(ConfigError, match="RAY_CLUSTER_FT_LOCAL_DASHBOARD must be 0"):
+        init_ray(None, use_gpu=False)
+
+
 def test_ray_session_shuts_down_what_it_started_and_on_an_interrupt_what_it_joined(monkeypatch):
     import ray
 
