@@ -79,9 +79,9 @@ def test_muon_is_a_stand_in_only_inside_the_block_and_never_when_configured(monk
     name = "deepspeed.runtime.zero.muon.muon_optimizer"
     monkeypatch.delitem(sys.modules, name, raising=False)
     with without_muon_import({"optimizer": {"type": "AdamW"}}):
-        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # what DeepSpeed asks for
-
+        # What DeepSpeed asks for:
         import torch
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
         assert not isinstance(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]), MuonWithAuxAdam)
     assert name not in sys.modules  # a later import loads the real module
