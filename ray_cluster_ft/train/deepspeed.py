@@ -6,7 +6,6 @@ Workers receive the finished dict and read no file (docs/design.md, "Train").
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -205,37 +204,6 @@ def disable_shm_comm() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-_MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
-@contextmanager
-def without_muon_import(ds_config: dict):
-    """Inside the block, DeepSpeed's Muon optimizer module is a stand-in, unless ``ds_config`` asks for Muon.
-
-    ``deepspeed.initialize`` imports Muon's module only to ask whether the optimizer is a ``MuonWithAuxAdam``
-    (the ZeRO supported-optimizer check, ZeRO-3's and the BF16 optimizer's set-up). That import applies
-    ``torch.compile`` and so loads torch's compiler stack: 0.87 s of CPU per worker after transformers is loaded,
-    and 4 CPU-s less for a 2-worker ZeRO-2 Ray Train run of the tiny model without it (measured on the test
-    machine, DeepSpeed 0.19), for an optimizer this package never builds (its optimizer is AdamW). The stand-in
-    module holds a ``MuonWithAuxAdam`` class that no optimizer is an instance of, so every such check answers
-    no. It is removed on exit: an import after the block loads the real module. With ``optimizer.type: muon``
-    in the user's DeepSpeed config, or with the module imported already, nothing is replaced.
-    """
-    import sys
-    import types
-
-    stub = None
-    if str(ds_config.get("optimizer", {}).get("type", "")).lower() != "muon" and _MUON_MODULE not in sys.modules:
-        stub = types.ModuleType(_MUON_MODULE, "ray_cluster_ft's stand-in for DeepSpeed's Muon module")
-        stub.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {})
-        sys.modules[_MUON_MODULE] = stub
-    try:
-        yield
-    finally:
-        if stub is not None and sys.modules.get(_MUON_MODULE) is stub:
-            del sys.modules[_MUON_MODULE]
 
 
 def read_deepspeed_json(path: str) -> dict:

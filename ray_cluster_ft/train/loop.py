@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ._op_locks import clear_stale_build_locks
-from .deepspeed import disable_shm_comm, make_scheduler, resolve_precision, without_muon_import
+from .deepspeed import disable_shm_comm, make_scheduler, resolve_precision
 from .rank_data import MICRO_BATCH_KEY
 from .step import ForwardTimer, collate_micro_batch, to_device, train_micro_batch
 
@@ -272,13 +272,12 @@ def _build_engine(config: dict, cfg: SimpleNamespace):
             target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
     t_load = time.perf_counter() - t0
     clear_stale_build_locks()  # else a killed CPU Adam build makes initialize wait forever
-    with without_muon_import(ds):
-        engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=ds,
-            lr_scheduler=partial(make_scheduler, warmup_steps=cfg.warmup_steps, total_steps=config["total_steps"]),
-        )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds,
+        lr_scheduler=partial(make_scheduler, warmup_steps=cfg.warmup_steps, total_steps=config["total_steps"]),
+    )
     return engine, t_load, time.perf_counter() - t0, precision
 
 

@@ -43,8 +43,7 @@ while hasattr(inner, "optimizer"):  # ZeRO wraps the basic optimizer
 module = engine.module
 print(json.dumps({"optimizer": type(inner).__name__, "dtype": str(next(module.parameters()).dtype),
                   "precision": precision, "checkpointing": bool(module.is_gradient_checkpointing),
-                  "attn": module.config._attn_implementation,
-                  "muon_imported": "deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules}))
+                  "attn": module.config._attn_implementation}))
 """
 
 
@@ -64,37 +63,12 @@ def _build(model_dir, stub_cpu_adam: bool = False, **train) -> dict:
 @pytest.mark.slow
 def test_the_worker_builds_the_configured_optimizer_dtype_and_checkpointing(tiny_model_dir):
     plain = _build(tiny_model_dir, zero_stage=2)
-    # Built under ZeRO without importing DeepSpeed's Muon module (train.deepspeed.without_muon_import).
     assert plain == {"optimizer": "AdamW", "dtype": "torch.float32", "precision": "fp32", "checkpointing": False,
-                     "attn": "eager", "muon_imported": False}
+                     "attn": "eager"}
     offload = _build(tiny_model_dir, stub_cpu_adam=True, zero_stage=2, offload="optimizer", precision="bf16",
                      gradient_checkpointing=True)
     assert offload["optimizer"] == "DeepSpeedCPUAdam"  # not torch's AdamW on the CPU
     assert (offload["dtype"], offload["precision"], offload["checkpointing"]) == ("torch.bfloat16", "bf16", True)
-
-
-def test_muon_is_a_stand_in_only_inside_the_block_and_never_when_configured(monkeypatch):
-    from ray_cluster_ft.train.deepspeed import without_muon_import
-
-    name = "deepspeed.runtime.zero.muon.muon_optimizer"
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    with without_muon_import({"optimizer": {"type": "AdamW"}}):
-        # What DeepSpeed asks for:
-        import torch
-        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-
-        assert not isinstance(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]), MuonWithAuxAdam)
-    assert name not in sys.modules  # a later import loads the real module
-    with pytest.raises(RuntimeError), without_muon_import({}):
-        raise RuntimeError  # removed on the way out of an error too
-    assert name not in sys.modules
-    with without_muon_import({"optimizer": {"type": "Muon"}}):
-        assert name not in sys.modules  # the user's DeepSpeed config asks for Muon: nothing replaced
-    marker = object()
-    monkeypatch.setitem(sys.modules, name, marker)
-    with without_muon_import({}):
-        assert sys.modules[name] is marker  # already imported: left alone
-    assert sys.modules[name] is marker
 
 
 def test_precision_settings_of_the_deepspeed_dict():
