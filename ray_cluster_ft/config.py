@@ -247,7 +247,7 @@ class SketchConfig(Section):
         None, ge=1, description="sketch actors; null = train.num_workers with use_gpu (the autoscaler brings the GPUs "
                                 "up), else one per CPU slot")
     in_process_rows: int = Field(
-        128, ge=0, description="without train.use_gpu, a job with at most this many rows left to featurise sketches "
+        512, ge=0, description="without train.use_gpu, a job with at most this many rows left to featurise sketches "
                                "them in the driver process (one sketcher, the model loaded once) instead of starting "
                                "a Ray Data actor pool, and a plan-only run (select, run --plan-only, features) of "
                                "that size starts no Ray at all; 0 = always the pool")

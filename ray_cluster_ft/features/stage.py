@@ -49,10 +49,12 @@ _SUBBATCHES_PER_RAY_BATCH = 8
 # of 64 (a shared file system or an object store pays per file; an interruption loses one shard per actor).
 _MAX_SHARDS = 500
 
-# ``sketch.in_process_rows`` (default 128): at most that many rows left to sketch on the CPU are sketched in the
+# ``sketch.in_process_rows`` (default 512): at most that many rows left to sketch on the CPU are sketched in the
 # driver rather than by a fresh actor pool (compute_sketches' in_process_rows): a small job, or the nightly job's
 # few new rows. Measured on 2 busy cores with a 16M-parameter model: 60 rows took 50 s through the pool (30 s of it
 # the actors' start-up); 40 rows of the demo model took 241 s through the pool under load 10-50.
+# 512 since 2026-12-07: the demo's 364 rows and 1,200 rows were faster in the driver than through a pool on 2
+# cores, with the same clusters, selection and plan (docs/benchmarks.md, "Small jobs").
 
 
 class ShardSketcher:
