@@ -53,7 +53,7 @@ _MAX_SHARDS = 500
 # driver rather than by a fresh actor pool (compute_sketches' in_process_rows): a small job, or the nightly job's
 # few new rows. Measured on 2 busy cores with a 16M-parameter model: 60 rows took 50 s through the pool (30 s of it
 # the actors' start-up); 40 rows of the demo model took 241 s through the pool under load 10-50.
-# 512 since 2026-12-07: the demo's 364 rows and 1,200 rows were faster in the driver than through a pool on 2
+# 512 since 2026-12-07: the demo's 278 rows and 842 rows were faster in the driver than through a pool on 2
 # cores, with the same clusters, selection and plan (docs/benchmarks.md, "Small jobs").
 
 

@@ -75,7 +75,8 @@ def init_ray(address: str | None, use_gpu: bool | None) -> bool:
     ``$RAY_CLUSTER_FT_LOCAL_DASHBOARD=0`` a new local Ray starts without its dashboard.
 
     Raises:
-        ConfigError: the address is unreachable (checked within seconds), or Ray could not start or connect.
+        ConfigError: the address is unreachable (checked within seconds), or Ray could not start or connect, or
+            (starting a local Ray) ``$RAY_CLUSTER_FT_LOCAL_DASHBOARD`` is neither ``0`` nor ``1``.
     """
     import ray
 
@@ -111,7 +112,9 @@ def _local_dashboard_options() -> dict:
     """``ray.init`` keywords for a new local Ray: none by default (Ray starts its dashboard); with
     ``$RAY_CLUSTER_FT_LOCAL_DASHBOARD=0`` no dashboard, on a port nothing listens on. Without a dashboard Ray
     still records ``127.0.0.1:8265`` as its State API address, and Ray Train's placement group cleaner would ask
-    whatever answers there (another Ray's dashboard on this machine) about this run and be told it is gone.
+    whatever answers there (another Ray's dashboard on this machine) about this run and be told it is gone. On
+    the free port nobody answers: the cleaner logs a warning about once a second while a run trains and cannot
+    clean up after a controller that dies (docs/operations.md, "Small jobs").
 
     Raises:
         ConfigError: the variable is set to something other than ``0`` or ``1``.

@@ -94,8 +94,9 @@ def test_the_random_arms_take_the_counts_ours_trained_on_their_seed_and_budget(e
     def fake_arm(arm, raw, out, pool, seed, evaluator_for, only_cached, what=""):
         ran.append((pool, seed, arm, raw["selection"]))
         if arm.startswith("ours") and (pool, seed) != ("natural", 1):  # natural seed 1: ours failed
-            budget = 0.2 if arm == "ours@0.2" else 0.31
-            return {"rows": int(1000 * budget) + seed, "tokens_per_epoch": 10_000 * (seed + 1) + int(100 * budget)}
+            budget, other = (0.2 if arm == "ours@0.2" else 0.31), pool == "balanced"
+            return {"rows": int(1000 * budget) + seed + 500 * other,
+                    "tokens_per_epoch": 10_000 * (seed + 1) + int(100 * budget) + 5_000 * other}
         return None if arm.startswith("ours") else {"macro_loss": 1.0}
 
     monkeypatch.setattr(e2e, "cached_arm", fake_arm)
@@ -111,8 +112,9 @@ def test_the_random_arms_take_the_counts_ours_trained_on_their_seed_and_budget(e
     assert sel[("natural", 0, "random_subset")]["budget"] == 310
     assert sel[("natural", 0, "random_tokens")]["budget_tokens"] == 10_031 and "budget" not in \
         sel[("natural", 0, "random_tokens")]
-    assert sel[("balanced", 1, "random_subset")]["budget"] == 311  # its own pool and seed
-    assert sel[("balanced", 1, "random_tokens")]["budget_tokens"] == 20_031
+    assert sel[("balanced", 0, "random_subset")]["budget"] == 810  # its own pool and seed
+    assert sel[("balanced", 1, "random_subset")]["budget"] == 811
+    assert sel[("balanced", 1, "random_tokens")]["budget_tokens"] == 25_031
     assert ("natural", 1, "random_subset") not in sel and ("natural", 1, "random_tokens") not in sel
     assert sel[("natural", 0, "ours@0.2")]["budget"] == 0.2 and sel[("natural", 0, "random_subset@0.2")]["budget"] == 200
     assert results["natural"][0]["random_subset"] == {"macro_loss": 1.0}
