@@ -116,7 +116,8 @@ def test_the_random_arms_take_the_counts_ours_trained_on_their_seed_and_budget(e
     assert sel[("balanced", 1, "random_subset")]["budget"] == 811
     assert sel[("balanced", 1, "random_tokens")]["budget_tokens"] == 25_031
     assert ("natural", 1, "random_subset") not in sel and ("natural", 1, "random_tokens") not in sel
-    assert sel[("natural", 0, "ours@0.2")]["budget"] == 0.2 and sel[("natural", 0, "random_subset@0.2")]["budget"] == 200
+    assert sel[("natural", 0, "ours@0.2")]["budget"] == 0.2
+    assert sel[("natural", 0, "random_subset@0.2")]["budget"] == 200
     assert results["natural"][0]["random_subset"] == {"macro_loss": 1.0}
 
 
