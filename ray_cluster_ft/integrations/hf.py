@@ -343,6 +343,19 @@ class PlanTrainer(Trainer):
         self._record(mw, positions)
         return (loss, outputs) if return_outputs else loss
 
+    def end(self) -> None:
+        """``Trainer.end`` (trackers finished, the default process group destroyed) after a barrier of all ranks.
+
+        Why the barrier: with gloo (CPU runs), a rank's gloo worker thread can still be releasing the tensors of
+        the last collective (``Trainer``'s final ``store_flos`` all-gather) when the script ends; the release needs
+        the GIL, and taking the GIL while the interpreter finalizes aborts the rank (``terminate called without an
+        active exception``, SIGABRT; seen under load in the TRL example's test). Waiting in a barrier releases the
+        GIL to those threads first. ``destroy_process_group`` alone does not join them.
+        """
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        super().end()
+
     def _record(self, mw, positions: list[int]) -> None:
         rows = [{"rank": self.plan_sampler.rank, "step": mw.step, "micro_index": mw.micro_index, "epoch": mw.epoch,
                  "example_id": self._plan_ids[p]} for p in positions]
