@@ -66,17 +66,35 @@ class Interrupted(KeyboardInterrupt):
 def _stop_on_signals():
     """SIGINT (Ctrl-C) and SIGTERM (``ray job stop``, Kubernetes, schedulers) raise :class:`Interrupted` in the
     main thread for the duration of a run, so both stop it the same way: workers stopped, one line, exit
-    ``128 + signal`` (130, 143)."""
+    ``128 + signal`` (130, 143).
+
+    A handler's exception can land where Python cannot raise it (a ``__del__``, a weakref callback, an import's
+    clean-up) and is then only reported as "Exception ignored": the run would go on as if no signal had come.
+    Such an :class:`Interrupted` is delivered again 50 ms later, from a timer thread (``_thread.interrupt_main``;
+    at once, the handler would raise inside the hook, ignored again), so it is raised in the main thread's own
+    code."""
+    import _thread
+
     def raise_interrupted(signum, _frame):
         raise Interrupted(signum)
+
+    def redeliver(unraisable):
+        if isinstance(unraisable.exc_value, Interrupted):
+            timer = threading.Timer(0.05, _thread.interrupt_main, args=(unraisable.exc_value.signum,))
+            timer.daemon = True
+            timer.start()
+        else:
+            hook(unraisable)
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     old = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    hook, sys.unraisablehook = sys.unraisablehook, redeliver
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         for s, h in old.items():
             signal.signal(s, h)
 
