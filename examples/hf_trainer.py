@@ -36,4 +36,4 @@ trainer = PlanTrainer(
     trained_log=f"{a.output}/trained_rank{{rank}}.jsonl",  # the ids each rank trained, to check against the plan
 )
 trainer.train()
-trainer.end()  # PlanTrainer.end: a barrier, then Trainer.end; without it a rank can abort at exit
+trainer.end()  # every rank: PlanTrainer.end waits for all, then Trainer.end; without it a rank can abort at exit

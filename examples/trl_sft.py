@@ -41,4 +41,4 @@ trainer = PlanSFTTrainer(
     trained_log=f"{a.output}/trained_rank{{rank}}.jsonl",
 )
 trainer.train()
-trainer.end()  # PlanTrainer.end: a barrier, then Trainer.end; without it a rank can abort at exit
+trainer.end()  # every rank: PlanTrainer.end waits for all, then Trainer.end; without it a rank can abort at exit

@@ -70,34 +70,54 @@ def _stop_on_signals():
 
     A handler's exception can land where Python cannot raise it (a ``__del__``, a weakref callback, an import's
     clean-up) and is then only reported as "Exception ignored": the run would go on as if no signal had come.
-    Such an :class:`Interrupted` is delivered again 50 ms later, from a timer thread (``_thread.interrupt_main``;
-    at once, the handler would raise inside the hook, ignored again), so it is raised in the main thread's own
-    code."""
+    Such an :class:`Interrupted` is delivered again 50 ms later from a timer thread (``_thread.interrupt_main``;
+    at once, the handler would raise inside the hook, ignored again), unless another one has been raised since
+    (the run is already stopping: its clean-up must not be cut short) or the run is over (the caller's own
+    handler must not get it)."""
     import _thread
 
-    def raise_interrupted(signum, _frame):
+    state = {"active": True, "raised": 0}
+    lock = threading.Lock()
+
+    def again(signum: int, raised: int) -> None:
+        with lock:
+            if state["active"] and state["raised"] == raised:
+                _thread.interrupt_main(signum)
+
+    def later(signum: int) -> None:
+        timer = threading.Timer(0.05, again, args=(signum, state["raised"]))
+        timer.daemon = True
+        timer.start()
+
+    def raise_interrupted(signum, frame):
+        while frame is not None:  # inside the hook below an exception would be lost for good
+            if frame.f_code is redeliver.__code__:
+                return later(signum)
+            frame = frame.f_back
+        state["raised"] += 1
         raise Interrupted(signum)
 
     def redeliver(unraisable):
         if isinstance(unraisable.exc_value, Interrupted):
-            timer = threading.Timer(0.05, _thread.interrupt_main, args=(unraisable.exc_value.signum,))
-            timer.daemon = True
-            timer.start()
+            later(unraisable.exc_value.signum)
         else:
             hook(unraisable)
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    hook, sys.unraisablehook = sys.unraisablehook, redeliver
+    hook, old = sys.unraisablehook, {}
     try:
+        sys.unraisablehook = redeliver
+        for s in (signal.SIGINT, signal.SIGTERM):
+            old[s] = signal.signal(s, raise_interrupted)
         yield
     finally:
+        with lock:
+            state["active"] = False
         sys.unraisablehook = hook
         for s, h in old.items():
             signal.signal(s, h)
-
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for a config error, 130 after SIGINT, 143 after SIGTERM)."""

@@ -344,17 +344,20 @@ class PlanTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def end(self) -> None:
-        """``Trainer.end`` (trackers finished, the default process group destroyed) after a barrier of all ranks.
+        """``Trainer.end`` (trackers finished, the default process group destroyed) after all ranks meet
+        (``accelerator.wait_for_everyone``). Call it on every rank, as ``Trainer.end``: a rank that calls it alone
+        waits for the others until the process group's timeout, then raises (``Trainer.end`` still runs).
 
-        Why the barrier: with gloo (CPU runs), a rank's gloo worker thread can still be releasing the tensors of
-        the last collective (``Trainer``'s final ``store_flos`` all-gather) when the script ends; the release needs
-        the GIL, and taking the GIL while the interpreter finalizes aborts the rank (``terminate called without an
-        active exception``, SIGABRT; seen under load in the TRL example's test). Waiting in a barrier releases the
-        GIL to those threads first. ``destroy_process_group`` alone does not join them.
+        Why the wait: with gloo (CPU runs) a rank's gloo worker thread can still be releasing the tensors of the
+        last collective (``Trainer``'s final ``store_flos`` all-gather) when the script ends; the release needs
+        the GIL, and taking it while the interpreter finalizes aborts the rank (``terminate called without an
+        active exception``, SIGABRT; seen under load in the TRL example's test). gloo's barrier first waits for
+        the rank's collectives in flight, with the GIL released: this narrows the race, it cannot rule it out.
         """
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        super().end()
+        try:
+            self.accelerator.wait_for_everyone()
+        finally:
+            super().end()
 
     def _record(self, mw, positions: list[int]) -> None:
         rows = [{"rank": self.plan_sampler.rank, "step": mw.step, "micro_index": mw.micro_index, "epoch": mw.epoch,
