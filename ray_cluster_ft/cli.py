@@ -119,6 +119,7 @@ def _stop_on_signals():
         for s, h in old.items():
             signal.signal(s, h)
 
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for a config error, 130 after SIGINT, 143 after SIGTERM)."""
     from .config import ConfigError, load_config
