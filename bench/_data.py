@@ -86,7 +86,14 @@ def medquad_split(rows: list[dict], n_pool: int, n_eval: int, seed: int) -> tupl
     return [rows[i] for i in sorted(pool)], sample(rest, n_eval, seed + 1)
 
 
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages now, as ``"1.23 4.56 7.89"``."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def machine_info() -> dict:
+    """The machine, the checkout's commit, the command and the date; ``load_before`` is the load now (a caller
+    that writes its results after running gives the load at its start instead)."""
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=10).stdout.strip() or "unknown"
@@ -95,6 +102,6 @@ def machine_info() -> dict:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {"cpus": os.cpu_count(), "mem_gib": round(mem), "platform": platform.platform(terse=True),
             "python": platform.python_version(), "commit": commit,
-            "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "load_before": load_average(),
             "command": " ".join(["python", Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
             "date": dt.datetime.now().astimezone().isoformat(timespec="seconds")}

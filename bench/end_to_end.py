@@ -46,7 +46,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import shlex
 import shutil
 import subprocess
@@ -59,7 +58,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from bench._data import demo_rows, machine_info, medquad_split, read_shared, sample, write_jsonl  # noqa: E402
+from bench._data import demo_rows, load_average, machine_info, medquad_split, read_shared, sample, write_jsonl  # noqa: E402
 
 # Arm -> (what it is, config keys over the shared ones). ``ours`` and the ablations set the budget; the random
 # arms get ours' counts (see run_seed); ``full`` and ``paper`` set their own selection.
@@ -337,7 +336,7 @@ def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for, what: str 
         "tokens_per_epoch": int(plan["n_tokens"].sum()) // epochs, "candidates": int(c["candidates"]),
         "eval_scored": {Path(p).stem: v.get("scored") for p, v in manifest.get("eval_files", {}).items()},
         "k": manifest.get("clustering", {}).get("k"), "groups": manifest.get("budget", {}).get("groups"),
-        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "load_after": load_average(),
     }
 
 
@@ -458,7 +457,8 @@ def summarise(args, results: dict) -> dict:
     keys = ("macro_loss", "macro_loss_last", "token_loss", "best_epoch", "selection_s", "train_s", "e2e_s", "rows",
             "tokens_per_epoch", "load_after")
     doc = {"pools": {}, "frontier": {}, "defaults": arm_keys("ours", args), "ours": args.ours or "defaults",
-           "machine": machine_info(),
+           # The load when this invocation started: the file is rewritten after every arm.
+           "machine": {**machine_info(), "load_before": getattr(args, "load_before", None) or load_average()},
            "settings": {k: getattr(args, k) for k in ("candidates", "eval_rows", "budget", "epochs", "lr",
                                                       "max_seq_len", "micro_batch", "workers", "model",
                                                       "precision")}}
@@ -644,6 +644,7 @@ def parse_args(argv=None):
         for k, v in QUICK.items():
             setattr(args, k, v)
         args.results = str(Path(args.out) / "quality.json")
+    args.load_before = load_average()
     return args
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -151,8 +152,10 @@ def test_the_best_epoch_is_the_headline_and_the_last_is_beside_it(e2e):
         e2e.epoch_figures({"eval_epochs": []})
 
 
-def test_the_summary_has_the_issue_keys(e2e, tmp_path):
+def test_the_summary_has_the_issue_keys(e2e, tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 2.0, 3.0))
     args = e2e.parse_args(["--seeds", "0", "1", "--out", str(tmp_path), "--results", str(tmp_path / "q.json")])
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 8.0, 7.0))  # the arms ran: the file is written now
 
     def fig(m, e2e_s):
         return {"macro_loss": m, "macro_loss_last": m + 0.01, "token_loss": m, "best_epoch": 1, "selection_s": 5.0,
@@ -170,6 +173,7 @@ def test_the_summary_has_the_issue_keys(e2e, tmp_path):
     assert [p["budget"] for p in doc["frontier"]["ours"]] == [0.2, 0.31]
     assert doc["frontier"]["full"] == {"macro_loss": 0.9, "e2e_s": 150}
     assert "defaults" in doc and doc["machine"]["commit"]
+    assert doc["machine"]["load_before"] == "1.00 2.00 3.00"  # the start's, not the last arm's load after
     assert json.loads((tmp_path / "q.json").read_text())["pools"]["natural"]["arms"]["ours"]["e2e_s"] == [50, 52]
     assert (tmp_path / "frontier.png").stat().st_size > 1000
 
