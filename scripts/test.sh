@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a virtual environment in .venv and run the test suite (CPU only; 13.5 minutes of tests on 2 idle cores, fresh clone at 85d9a73,
+# Set up a virtual environment in .venv and run the test suite (CPU only; 13.2 minutes of tests on 2 idle cores, fresh clone at ec2e115,
 # plus the installs; -m "not slow": 1.7 minutes at 6e21531).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
