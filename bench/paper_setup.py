@@ -94,6 +94,7 @@ if str(REPO) not in sys.path:
 from bench import _common  # noqa: E402  (after the path insert)
 from bench._data import (  # noqa: E402
     demo_rows as _demo_rows,
+    load_average,
     machine_info,
     medquad_split as _medquad_split,
     read_shared as _read_shared,
@@ -921,7 +922,7 @@ def main(argv=None) -> dict:
         import ray
 
         ray.shutdown()
-    machine["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    machine["load_after"] = load_average()
     machine["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
     domains = sorted({d for s in results.values() for r in s.values() for d in r.get("eval_after", {}) if d != "all"})
     domains.append("all")
