@@ -457,8 +457,9 @@ def summarise(args, results: dict) -> dict:
     keys = ("macro_loss", "macro_loss_last", "token_loss", "best_epoch", "selection_s", "train_s", "e2e_s", "rows",
             "tokens_per_epoch", "load_after")
     doc = {"pools": {}, "frontier": {}, "defaults": arm_keys("ours", args), "ours": args.ours or "defaults",
-           # The load when this invocation started: the file is rewritten after every arm.
-           "machine": {**machine_info(), "load_before": getattr(args, "load_before", None) or load_average()},
+           # The load when this invocation started (the file is rewritten after every arm); None for --only-cached,
+           # which runs nothing. Arms kept from earlier invocations carry their own load_after.
+           "machine": {**machine_info(), "load_before": args.load_before},
            "settings": {k: getattr(args, k) for k in ("candidates", "eval_rows", "budget", "epochs", "lr",
                                                       "max_seq_len", "micro_batch", "workers", "model",
                                                       "precision")}}
@@ -543,8 +544,8 @@ def merge_into(path: Path, doc: dict, command: str, skip: tuple[str, ...] = ()) 
     figures there (its lists keep only the seeds with figures, in seed order; a key one side lacks is None there).
     Each added seed gets ``commits`` (``doc``'s commit: the checkout that summarised, whose package tree keyed the
     records) and keeps its ``load_after``; the
-    file's ``merges`` records the arms, the command, the commit, the package's tree, the run's machine and the
-    merge's date, and the losses of the arms named in ``skip`` (``ours`` run again only for the random arms'
+    file's ``merges`` records the arms, the command, the commit, the package's tree, the machine (``load_before``
+    None: a merge runs nothing; each arm keeps its ``load_after``) and the merge's date, and the losses of the arms named in ``skip`` (``ours`` run again only for the random arms'
     counts, say), which are not added (``not_merged``). A pool's ``full_train_s`` comes with its ``full`` arm.
 
     Raises:
@@ -644,7 +645,7 @@ def parse_args(argv=None):
         for k, v in QUICK.items():
             setattr(args, k, v)
         args.results = str(Path(args.out) / "quality.json")
-    args.load_before = load_average()
+    args.load_before = None if args.only_cached else load_average()
     return args
 
 

@@ -174,6 +174,8 @@ def test_the_summary_has_the_issue_keys(e2e, tmp_path, monkeypatch):
     assert doc["frontier"]["full"] == {"macro_loss": 0.9, "e2e_s": 150}
     assert "defaults" in doc and doc["machine"]["commit"]
     assert doc["machine"]["load_before"] == "1.00 2.00 3.00"  # the start's, not the last arm's load after
+    cached = e2e.parse_args(["--only-cached", "--out", str(tmp_path), "--results", str(tmp_path / "c.json")])
+    assert e2e.summarise(cached, results)["machine"]["load_before"] is None  # it ran nothing: no start load
     assert json.loads((tmp_path / "q.json").read_text())["pools"]["natural"]["arms"]["ours"]["e2e_s"] == [50, 52]
     assert (tmp_path / "frontier.png").stat().st_size > 1000
 
