@@ -58,7 +58,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from bench._data import demo_rows, load_average, machine_info, medquad_split, read_shared, sample, write_jsonl  # noqa: E402
+from bench._data import (  # noqa: E402
+    demo_rows, load_average, machine_info, medquad_split, read_shared, sample, write_jsonl)
 
 # Arm -> (what it is, config keys over the shared ones). ``ours`` and the ablations set the budget; the random
 # arms get ours' counts (see run_seed); ``full`` and ``paper`` set their own selection.
@@ -459,7 +460,7 @@ def summarise(args, results: dict) -> dict:
     doc = {"pools": {}, "frontier": {}, "defaults": arm_keys("ours", args), "ours": args.ours or "defaults",
            # The load when this invocation started (the file is rewritten after every arm); None for --only-cached,
            # which runs nothing. Arms kept from earlier invocations carry their own load_after.
-           "machine": {**machine_info(), "load_before": args.load_before},
+           "machine": {**machine_info(), "load_before": getattr(args, "load_before", None)},
            "settings": {k: getattr(args, k) for k in ("candidates", "eval_rows", "budget", "epochs", "lr",
                                                       "max_seq_len", "micro_batch", "workers", "model",
                                                       "precision")}}
@@ -543,10 +544,10 @@ def merge_into(path: Path, doc: dict, command: str, skip: tuple[str, ...] = ()) 
     published. Only seeds that ran are added: a new arm with them, or an arm of the file gains seeds that have no
     figures there (its lists keep only the seeds with figures, in seed order; a key one side lacks is None there).
     Each added seed gets ``commits`` (``doc``'s commit: the checkout that summarised, whose package tree keyed the
-    records) and keeps its ``load_after``; the
-    file's ``merges`` records the arms, the command, the commit, the package's tree, the machine (``load_before``
-    None: a merge runs nothing; each arm keeps its ``load_after``) and the merge's date, and the losses of the arms named in ``skip`` (``ours`` run again only for the random arms'
-    counts, say), which are not added (``not_merged``). A pool's ``full_train_s`` comes with its ``full`` arm.
+    records) and keeps its ``load_after``; the file's ``merges`` records the arms, the command, the commit, the
+    package's tree, the machine (``load_before`` None: a merge runs nothing) and the merge's date, and the losses
+    of the arms named in ``skip`` (``ours`` run again only for the random arms' counts, say), which are not added
+    (``not_merged``). A pool's ``full_train_s`` comes with its ``full`` arm.
 
     Raises:
         ValueError: ``doc`` was run with other ``settings`` (other sizes: the figures would not compare), or with
