@@ -486,7 +486,8 @@ def summarise(args, results: dict) -> dict:
 
 
 def plot_frontier(doc: dict, path: Path) -> None:
-    """Held-out macro loss against end-to-end time: ours and random_subset at each budget, full as a point."""
+    """Held-out macro loss against end-to-end time: ours and random_subset at each budget, full as a point. A
+    point with a ``note`` (its time taken beside other work, say) is labelled with a ``*`` and the note below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -498,8 +499,8 @@ def plot_frontier(doc: dict, path: Path) -> None:
         if pts:
             ax.plot([p["e2e_s"] for p in pts], [p["macro_loss"] for p in pts], style, label=arm)
             for p in pts:
-                ax.annotate(f"{p['budget']:g}", (p["e2e_s"], p["macro_loss"]), textcoords="offset points",
-                            xytext=(4, 4), fontsize=8)
+                ax.annotate(f"{p['budget']:g}" + ("*" if p.get("note") else ""), (p["e2e_s"], p["macro_loss"]),
+                            textcoords="offset points", xytext=(4, 4), fontsize=8)
     if doc["frontier"].get("full"):
         f = doc["frontier"]["full"]
         ax.plot([f["e2e_s"]], [f["macro_loss"]], "k*", markersize=12, label="full")
@@ -507,7 +508,11 @@ def plot_frontier(doc: dict, path: Path) -> None:
     ax.set_ylabel("held-out macro loss (best epoch)")
     ax.set_title("natural pool, seed 0")
     ax.legend()
-    fig.tight_layout()
+    notes = sorted({f"* {arm} {p['budget']:g}: {p['note']}" for arm in ("ours", "random_subset")
+                    for p in doc["frontier"].get(arm) or [] if p.get("note")})
+    if notes:
+        fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom")
+    fig.tight_layout(rect=(0, 0.03 * len(notes), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

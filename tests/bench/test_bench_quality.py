@@ -144,6 +144,17 @@ def _manifest(macro: list[float]) -> dict:
             "eval_files": {"/x/mbpp_test.jsonl": {"before": {"all": {"loss": 2.0}}}}}
 
 
+def test_a_frontier_point_with_a_note_is_marked_on_the_plot(e2e, tmp_path):
+    doc = {"frontier": {"ours": [{"budget": 0.2, "macro_loss": 1.2, "e2e_s": 300.0},
+                                 {"budget": 0.4, "macro_loss": 1.15, "e2e_s": 700.0}],
+                        "full": {"macro_loss": 1.1, "e2e_s": 1500.0}}}
+    e2e.plot_frontier(doc, tmp_path / "plain.png")
+    doc["frontier"]["ours"][1]["note"] = "timed beside other work"
+    e2e.plot_frontier(doc, tmp_path / "noted.png")
+    plain, noted = (tmp_path / "plain.png").read_bytes(), (tmp_path / "noted.png").read_bytes()
+    assert len(plain) > 1000 and noted != plain
+
+
 def test_the_best_epoch_is_the_headline_and_the_last_is_beside_it(e2e):
     f = e2e.epoch_figures(_manifest([1.3, 1.1, 1.2]))
     assert (f["macro_loss"], f["best_epoch"], f["macro_loss_last"], f["token_loss"]) == (1.1, 2, 1.2, 1.1 + 0.1)
