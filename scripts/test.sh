@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a virtual environment in .venv and run the test suite (CPU only; 14.6 minutes of tests on 2 idle cores,
-# fresh clone at add95a7, 13.2 at ec2e115, plus the installs; -m "not slow": 1.7 minutes at 6e21531).
+# Set up a virtual environment in .venv and run the test suite (CPU only; 16.0 minutes of tests on 2 cores, fresh
+# clone at 5866edb, 12.6-14.9 earlier the same day, plus the installs; -m "not slow": 2.0 minutes at 5866edb).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
