@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a virtual environment in .venv and run the test suite (CPU only; 16.0 minutes of tests on 2 cores, fresh
-# clone at 5866edb, 12.6-14.9 earlier the same day, plus the installs; -m "not slow": 2.0 minutes at 5866edb).
+# Set up a virtual environment in .venv and run the test suite (CPU only; 17.0 minutes of tests on 2 idle cores, fresh
+# clone at 93b6d49, 12.6-16.0 earlier the same day, plus the installs; -m "not slow": 2.0 minutes at 5866edb).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
