@@ -59,7 +59,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from bench._data import (  # noqa: E402
-    demo_rows, load_average, machine_info, medquad_split, read_shared, sample, write_jsonl)
+    demo_rows,
+    load_average,
+    machine_info,
+    medquad_split,
+    read_shared,
+    sample,
+    write_jsonl,
+)
 
 # Arm -> (what it is, config keys over the shared ones). ``ours`` and the ablations set the budget; the random
 # arms get ours' counts (see run_seed); ``full`` and ``paper`` set their own selection.
@@ -296,7 +303,6 @@ def run_arm(arm: str, raw: dict, out: Path, pool: str, evaluator_for, what: str 
     """Run one arm; its figures. The sketch time of an arm that read every feature from the store is the run's
     that computed them (``feature_times.json``)."""
     import pandas as pd
-
     import ray
 
     from ray_cluster_ft import run_pipeline
@@ -494,6 +500,7 @@ def plot_frontier(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    notes = []
     for arm, style in (("ours", "o-"), ("random_subset", "s--")):
         pts = doc["frontier"].get(arm) or []
         if pts:
@@ -501,6 +508,8 @@ def plot_frontier(doc: dict, path: Path) -> None:
             for p in pts:
                 ax.annotate(f"{p['budget']:g}" + ("*" if p.get("note") else ""), (p["e2e_s"], p["macro_loss"]),
                             textcoords="offset points", xytext=(4, 4), fontsize=8)
+                if p.get("note"):
+                    notes.append(f"* {arm} {p['budget']:g}: {p['note']}")
     if doc["frontier"].get("full"):
         f = doc["frontier"]["full"]
         ax.plot([f["e2e_s"]], [f["macro_loss"]], "k*", markersize=12, label="full")
@@ -508,8 +517,6 @@ def plot_frontier(doc: dict, path: Path) -> None:
     ax.set_ylabel("held-out macro loss (best epoch)")
     ax.set_title("natural pool, seed 0")
     ax.legend()
-    notes = sorted({f"* {arm} {p['budget']:g}: {p['note']}" for arm in ("ours", "random_subset")
-                    for p in doc["frontier"].get(arm) or [] if p.get("note")})
     if notes:
         fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom")
     fig.tight_layout(rect=(0, 0.03 * len(notes), 1, 1))
